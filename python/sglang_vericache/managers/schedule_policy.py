@@ -1,0 +1,109 @@
+"""PrefillAdder: which waiting requests join the next prefill batch, and how much of each.
+
+Admission keeps room for the running requests' next tokens: each reserves
+min(remaining new tokens, CLIP) * new_token_ratio slots. The ratio starts optimistic, decays
+while decoding goes well, and jumps to 1 after a retraction (as SGLang's does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.managers.scheduler import Scheduler
+
+RESERVE_CLIP = 256
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class PrefillAdder:
+    def __init__(self, scheduler: Scheduler):
+        self.s = scheduler
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def on_retract(self) -> None:
+        self.new_token_ratio = 1.0
+
+    def reserve_for(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), RESERVE_CLIP) * self.new_token_ratio)
+
+    def build(self) -> list[tuple[Req, int]]:
+        s = self.s
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if not s.waiting_queue and s.chunked_req is None:
+            return []
+        ps = s.page_size
+        avail = s.allocator.available_size() + s.tree_cache.evictable_size()
+        avail -= sum(self.reserve_for(r) for r in s.running)
+        budget = s.server_args.max_prefill_tokens
+        batch: list[tuple[Req, int]] = []
+        partial = False
+
+        if s.chunked_req is not None:
+            req = s.chunked_req
+            n = self.chunk_len(req, budget, avail)
+            if n <= 0 or s.alloc_slots(req, n) is None:
+                return []
+            batch.append((req, n))
+            budget -= n
+            avail -= n
+            partial = req.kv_committed_len + n < req.prefill_target_len()
+
+        while s.waiting_queue and not partial and budget > 0:
+            if len(s.running) + len(batch) >= s.server_args.max_running_requests:
+                break
+            req = s.waiting_queue[0]
+            match = s.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+            prefix_len = len(match.device_indices)
+            remaining = req.prefill_target_len() - prefix_len
+            n = self.chunk_len(req, budget, avail - self.reserve_for(req), remaining)
+            if n <= 0:
+                break
+            if not self.admit(req, match, n):
+                break
+            s.waiting_queue.popleft()
+            batch.append((req, n))
+            budget -= n
+            avail -= n + self.reserve_for(req)
+            partial = n < remaining
+        return batch
+
+    def chunk_len(self, req: Req, budget: int, avail: int, remaining: int | None = None) -> int:
+        """Tokens of req to prefill now: whole request if it fits, else a page-aligned chunk."""
+        s = self.s
+        if remaining is None:
+            remaining = req.prefill_target_len() - req.kv_committed_len
+        n = min(remaining, s.server_args.chunked_prefill_size, budget, max(avail, 0))
+        if n < remaining:
+            n -= n % s.page_size
+            # A running batch with room for nothing but a sliver waits for memory instead.
+            if n < s.page_size:
+                return 0
+        return n
+
+    def admit(self, req: Req, match, n: int) -> bool:
+        s = self.s
+        idx = s.req_to_token_pool.alloc()
+        if idx is None:
+            return False
+        req.req_pool_idx = idx
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_node
+        s.tree_cache.inc_lock_ref(req.last_node)
+        prefix_len = len(match.device_indices)
+        s.req_to_token_pool.write(idx, 0, match.device_indices)
+        req.kv_committed_len = req.kv_allocated_len = prefix_len
+        if req.num_retractions == 0:
+            req.cached_tokens = prefix_len
+            s.metrics.num_cached_tokens_total += prefix_len
+        if s.alloc_slots(req, n) is None:
+            s.tree_cache.dec_lock_ref(req.last_node)
+            s.req_to_token_pool.free(idx)
+            req.reset_for_retract()
+            req.num_retractions -= 1
+            return False
+        return True

@@ -1,0 +1,459 @@
+"""Scheduler: the process that owns the model, the KV pools and the radix cache.
+
+Each loop iteration: take new requests, then run either one prefill batch (new requests and
+the next chunk of a chunked prefill) or one decode step for every running request, then send
+what each request emitted. Memory pressure is met by queueing (admission control), prefix-cache
+eviction, and finally retraction of running requests, never by failing a request.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import torch
+import zmq
+
+from sglang_vericache.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetStatsReq,
+    ReqOutput,
+    SchedulerError,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from sglang_vericache.managers.schedule_batch import Req
+from sglang_vericache.managers.schedule_policy import PrefillAdder
+from sglang_vericache.managers.stats import SchedulerMetrics
+from sglang_vericache.mem_cache.radix_cache import RadixCache
+from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_vericache.model_executor.model_runner import ModelRunner
+from sglang_vericache.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None):
+        self.server_args = server_args
+        self.model_runner = ModelRunner(server_args)
+        mc = self.model_runner.model_config
+        self.vocab_size = mc.vocab_size
+        self.context_len = mc.context_len
+        self.page_size = server_args.page_size
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.allocator = self.model_runner.token_to_kv_pool_allocator
+        self.max_total_num_tokens = self.model_runner.max_total_num_tokens
+        self.tree_cache = RadixCache(
+            self.req_to_token_pool,
+            self.allocator,
+            self.page_size,
+            disable=server_args.disable_radix_cache,
+        )
+        self.tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        from sglang_vericache.layers.sampler import Sampler
+
+        self.sampler = Sampler()
+        self.waiting_queue: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.prefill_adder = PrefillAdder(self)
+        self.metrics = SchedulerMetrics()
+        self.outbox: list[ReqOutput] = []
+
+        self.recv_socket = self.send_socket = None
+        if port_args is not None:
+            ctx = zmq.Context(2)
+            self.recv_socket = ctx.socket(zmq.PULL)
+            self.recv_socket.bind(port_args.scheduler_input_ipc_name)
+            self.send_socket = ctx.socket(zmq.PUSH)
+            self.send_socket.connect(port_args.tokenizer_ipc_name)
+
+    # ------------------------------------------------------------------ limits
+
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt + output one request may reach: the context, and the pool less a page."""
+        return min(self.context_len, self.max_total_num_tokens - self.page_size)
+
+    def ready_message(self) -> SchedulerReady:
+        mc = self.model_runner.model_config
+        return SchedulerReady(
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_req_input_len=self.max_req_len - 1,
+            context_length=self.context_len,
+            vocab_size=self.vocab_size,
+            server_info={
+                "max_total_num_tokens": self.max_total_num_tokens,
+                "page_size": self.page_size,
+                "context_length": self.context_len,
+                "vocab_size": self.vocab_size,
+                "dtype": str(mc.dtype).replace("torch.", ""),
+                "num_hidden_layers": mc.num_hidden_layers,
+                "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
+            },
+        )
+
+    # ------------------------------------------------------------------ event loop
+
+    def event_loop(self) -> None:
+        while True:
+            idle = not (self.waiting_queue or self.running or self.chunked_req)
+            self.recv_requests(block=idle)
+            self.step()
+            self.flush_outbox()
+
+    def recv_requests(self, block: bool = False) -> None:
+        if self.recv_socket is None:
+            return
+        if block:
+            self.recv_socket.poll(timeout=1000)
+        while True:
+            try:
+                msg = self.recv_socket.recv_pyobj(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            reply = self.handle_message(msg)
+            if reply is not None:
+                self.send_socket.send_pyobj(reply)
+
+    def handle_message(self, msg):
+        if isinstance(msg, TokenizedGenerateReqInput):
+            return self.add_request(msg)
+        if isinstance(msg, AbortReq):
+            self.abort_request(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            return self.flush_cache()
+        elif isinstance(msg, GetStatsReq):
+            return self.get_stats()
+        else:
+            logger.warning("scheduler got an unknown message %r", type(msg))
+        return None
+
+    def add_request(self, r: TokenizedGenerateReqInput) -> SchedulerError | None:
+        n_in = len(r.input_ids)
+        if n_in == 0:
+            return SchedulerError(r.rid, "the prompt is empty")
+        bad = [t for t in r.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return SchedulerError(r.rid, f"input token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if n_in + r.sampling_params.max_new_tokens > self.max_req_len:
+            return SchedulerError(
+                r.rid,
+                f"the request needs {n_in} prompt + {r.sampling_params.max_new_tokens} new tokens, "
+                f"more than the {self.max_req_len} tokens a request may have",
+            )
+        self.waiting_queue.append(Req.from_input(r))
+        self.metrics.num_requests_total += 1
+        return None
+
+    def abort_request(self, rid: str) -> None:
+        for req in list(self.waiting_queue):
+            if req.rid == rid:
+                self.waiting_queue.remove(req)
+                if req.req_pool_idx is not None:  # a retracted request holds nothing; a fresh one neither
+                    self.tree_cache.cache_finished_req(req)
+                req.finished_reason = {"type": "abort", "message": "aborted by the client"}
+                self.emit(req)
+                return
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.to_abort = "aborted by the client"
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.running or self.waiting_queue or self.chunked_req:
+            return FlushCacheReqOutput(False, "requests are still running")
+        self.tree_cache.reset()
+        return FlushCacheReqOutput(True)
+
+    def get_stats(self):
+        return self.metrics.snapshot(self)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> None:
+        self.drop_aborted()
+        batch = self.prefill_adder.build()
+        if batch:
+            self.run_extend(batch)
+        elif self.running:
+            self.run_decode()
+
+    def drop_aborted(self) -> None:
+        for req in [r for r in self.running if r.to_abort]:
+            self.running.remove(req)
+            req.finished_reason = {"type": "abort", "message": req.to_abort}
+            self.release(req)
+        if self.chunked_req is not None and self.chunked_req.to_abort:
+            req, self.chunked_req = self.chunked_req, None
+            req.finished_reason = {"type": "abort", "message": req.to_abort}
+            self.release(req)
+
+    # ------------------------------------------------------------------ memory
+
+    def alloc_slots(self, req: Req, num_new: int) -> torch.Tensor | None:
+        """Extends `req`'s slots by num_new positions, evicting cached prefixes if needed."""
+        need_pages = self.allocator.pages_needed(req.kv_allocated_len, num_new)
+        short = need_pages * self.page_size - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        last_slot = 0
+        if req.kv_allocated_len > 0:
+            last_slot = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_allocated_len - 1])
+        slots = self.allocator.alloc_extend(last_slot, req.kv_allocated_len, num_new)
+        if slots is None:
+            return None
+        self.req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
+        req.kv_allocated_len += num_new
+        return slots
+
+    def retract(self, req: Req) -> None:
+        """Gives back a running request's KV (into the prefix cache, evictable) and requeues it first."""
+        self.tree_cache.cache_finished_req(req)
+        req.reset_for_retract()
+        self.waiting_queue.appendleft(req)
+        self.metrics.num_retracted_total += 1
+        self.prefill_adder.on_retract()
+
+    def release(self, req: Req) -> None:
+        """A finished request: cache its KV in the radix tree, free the rest, report it."""
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+        self.emit(req)
+
+    # ------------------------------------------------------------------ prefill
+
+    def run_extend(self, batch: list[tuple[Req, int]]) -> None:
+        """Runs one EXTEND pass: each (req, n) computes the next n positions of req.fill_ids."""
+        input_ids, positions, out_loc, logit_rows = [], [], [], []
+        row_base = 0
+        plan = []  # (req, start, n, input-logprob rows, sample row or None)
+        for req, n in batch:
+            start = req.kv_committed_len
+            fill = req.fill_ids
+            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, start : start + n]
+            input_ids.extend(fill[start : start + n])
+            positions.extend(range(start, start + n))
+            out_loc.append(slots)
+            lp_rows = []
+            if req.wants_input_logprobs:
+                # Row for position j predicts token j+1; wanted for j in [start_len, prompt_len-2].
+                lo = max(req.logprob_start_len, start)
+                hi = min(len(req.origin_input_ids) - 1, start + n)
+                lp_rows = list(range(lo, hi))
+            done = start + n == req.prefill_target_len()
+            sample_row = start + n - 1 if done else None
+            rows = sorted(set(lp_rows + ([sample_row] if sample_row is not None else [])))
+            plan.append((req, start, n, lp_rows, sample_row, len(logit_rows), rows))
+            logit_rows.extend(row_base + (j - start) for j in rows)
+            row_base += n
+
+        fb = self.make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
+        fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
+        logits = self.model_runner.forward(fb)  # zero rows when only KV is wanted (a middle chunk)
+
+        to_sample = []
+        for req, start, n, lp_rows, sample_row, base, rows in plan:
+            req.kv_committed_len = start + n
+            self.metrics.num_prompt_tokens_total += n
+            if lp_rows:
+                self.collect_input_logprobs(req, logits[base : base + len(rows)], rows, lp_rows)
+            if sample_row is None:
+                self.chunked_req = req
+                continue
+            if req is self.chunked_req:
+                self.chunked_req = None
+            req.input_logprobs_done = True
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = {"type": "length", "length": 0}
+                self.release(req)
+                continue
+            self.tree_cache.cache_unfinished_req(req)
+            to_sample.append((req, logits[base + rows.index(sample_row)]))
+        if to_sample:
+            self.sample_and_append([r for r, _ in to_sample], torch.stack([lg for _, lg in to_sample]))
+
+    def collect_input_logprobs(self, req: Req, logits: torch.Tensor, rows: list[int], lp_rows: list[int]):
+        ids = req.origin_input_ids
+        if not req.input_token_logprobs:  # the first entry (at logprob_start_len) has no logprob
+            req.input_token_logprobs.append((None, ids[req.logprob_start_len]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(None)
+        sel = torch.tensor([rows.index(j) for j in lp_rows], dtype=torch.int64)
+        logprobs = torch.log_softmax(logits[sel].float(), dim=-1)
+        targets = torch.tensor([ids[j + 1] for j in lp_rows], dtype=torch.int64)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        req.input_token_logprobs.extend(zip(chosen, targets.tolist()))
+        if req.top_logprobs_num:
+            vals, idx = logprobs.topk(req.top_logprobs_num, dim=-1)
+            for v, i in zip(vals.tolist(), idx.tolist()):
+                req.input_top_logprobs.append(list(zip(v, i)))
+
+    # ------------------------------------------------------------------ decode
+
+    def run_decode(self) -> None:
+        # Every running request needs one more slot; make room by retracting the newest.
+        while True:
+            need = sum(self.allocator.pages_needed(r.kv_allocated_len, 1) for r in self.running)
+            free = self.allocator.available_size() // self.page_size
+            if need <= free:
+                break
+            self.tree_cache.evict((need - free) * self.page_size)
+            free = self.allocator.available_size() // self.page_size
+            if need <= free or len(self.running) == 1:
+                break
+            self.retract(self.running.pop())
+        reqs = self.running
+        out_loc = []
+        for req in reqs:
+            slots = self.alloc_slots(req, 1)
+            assert slots is not None, "a lone request outgrew the KV pool; admission should prevent this"
+            out_loc.append(slots)
+        input_ids = [r.output_ids[-1] for r in reqs]
+        positions = [r.seqlen - 1 for r in reqs]
+        batch = [(r, 1) for r in reqs]
+        fb = self.make_forward_batch(ForwardMode.DECODE, batch, input_ids, positions, torch.cat(out_loc))
+        logits = self.model_runner.forward(fb)
+        for req in reqs:
+            req.kv_committed_len += 1
+        self.sample_and_append(list(reqs), logits)
+
+    # ------------------------------------------------------------------ shared
+
+    def make_forward_batch(self, mode, batch, input_ids, positions, out_loc) -> ForwardBatch:
+        prefix = [r.kv_committed_len for r, _ in batch]
+        ext = [n for _, n in batch]
+        seq = [p + n for p, n in zip(prefix, ext)]
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(batch),
+            input_ids=t(input_ids),
+            positions=t(positions),
+            req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
+            seq_lens=t(seq),
+            extend_prefix_lens=t(prefix),
+            extend_seq_lens=t(ext),
+            out_cache_loc=out_loc,
+            seq_lens_cpu=seq,
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=ext,
+        )
+
+    def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
+
+        rows = [
+            SamplingRow(
+                params=r.sampling_params,
+                seed=r.seed,
+                position=len(r.output_ids),
+                output_ids=r.output_ids,
+                prompt_ids=r.origin_input_ids,
+            )
+            for r in reqs
+        ]
+        info = SamplingBatchInfo.from_rows(rows, self.vocab_size, logits.device, self.eos_token_ids)
+        want_lp = any(r.return_logprob for r in reqs)
+        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        out = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
+        next_ids = out.next_token_ids.tolist()
+        lps = out.logprobs.tolist() if want_lp else None
+        tops = None
+        if top_n:
+            vals, idx = out.top_logprobs
+            tops = (vals.tolist(), idx.tolist())
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(tok)
+            self.metrics.num_generation_tokens_total += 1
+            if req.return_logprob:
+                req.output_token_logprobs.append((lps[i], tok))
+                if req.top_logprobs_num:
+                    k = req.top_logprobs_num
+                    req.output_top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k])))
+            req.check_finished(self.eos_token_ids, self.tokenizer, self.context_len)
+            if req not in self.running and not req.finished:
+                self.running.append(req)
+            if req.finished:
+                if req in self.running:
+                    self.running.remove(req)
+                self.release(req)
+            elif req.stream:
+                self.emit(req)
+
+    def emit(self, req: Req) -> None:
+        """Queues what `req` produced since its last report."""
+        n = len(req.output_ids)
+        new_ids = req.output_ids[req.sent_output_len : n]
+        out = ReqOutput(
+            rid=req.rid,
+            new_output_ids=new_ids,
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=n,
+            cached_tokens=req.cached_tokens,
+            meta=dict(req.meta),
+        )
+        if req.return_logprob:
+            if req.sent_output_len == 0:
+                out.input_token_logprobs = req.input_token_logprobs
+                out.input_top_logprobs = req.input_top_logprobs if req.top_logprobs_num else None
+            out.output_token_logprobs = req.output_token_logprobs[req.sent_output_len : n]
+            if req.top_logprobs_num:
+                out.output_top_logprobs = req.output_top_logprobs[req.sent_output_len : n]
+        if req.sent_output_len == 0 or new_ids or req.finished:
+            self.outbox.append(out)
+        req.sent_output_len = n
+        if req.finished:
+            self.metrics.on_finish(req)
+
+    def flush_outbox(self) -> None:
+        if not self.outbox:
+            return
+        outputs, self.outbox = self.outbox, []
+        if self.send_socket is not None:
+            self.send_socket.send_pyobj(BatchTokenIDOut(outputs))
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="[%(asctime)s scheduler] %(message)s",
+    )
+    faulthandler.enable()
+    # The parent's death must not leave this process behind.
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    try:
+        scheduler = Scheduler(server_args, port_args)
+    except Exception as e:  # load errors go to the parent, which prints them
+        logger.exception("scheduler failed to start")
+        pipe_writer.send({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    pipe_writer.send(scheduler.ready_message())
+    try:
+        scheduler.event_loop()
+    except Exception:
+        logger.exception("scheduler crashed")
+        os._exit(1)

@@ -1,0 +1,61 @@
+"""SchedulerMetrics: counters behind /metrics and /server_info."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sglang_vericache.managers.io_struct import SchedulerStats
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.managers.scheduler import Scheduler
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class SchedulerMetrics:
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_cached_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_finished_total: int = 0
+    num_retracted_total: int = 0
+    samples: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def on_finish(self, req: Req) -> None:
+        self.num_finished_total += 1
+
+    def throughput(self) -> float:
+        now = time.monotonic()
+        self.samples.append((now, self.num_generation_tokens_total))
+        while self.samples and now - self.samples[0][0] > THROUGHPUT_WINDOW_S:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        return (self.num_generation_tokens_total - n0) / (now - t0) if now > t0 else 0.0
+
+    def snapshot(self, s: Scheduler) -> SchedulerStats:
+        used = s.max_total_num_tokens - s.allocator.available_size() - s.tree_cache.evictable_size()
+        hits = getattr(s.tree_cache, "hit_rate", None)
+        return SchedulerStats(
+            num_running_reqs=len(s.running) + (s.chunked_req is not None),
+            num_waiting_reqs=len(s.waiting_queue),
+            num_used_tokens=used,
+            max_total_num_tokens=s.max_total_num_tokens,
+            token_usage=used / s.max_total_num_tokens,
+            cache_hit_rate=float(hits() if callable(hits) else (hits or 0.0)),
+            gen_throughput=self.throughput(),
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_cached_tokens_total=self.num_cached_tokens_total,
+            num_requests_total=self.num_requests_total,
+            num_retracted_total=self.num_retracted_total,
+            extra={
+                "num_finished_total": self.num_finished_total,
+                "evictable_tokens": s.tree_cache.evictable_size(),
+                "free_tokens": s.allocator.available_size(),
+            },
+        )

@@ -1,0 +1,369 @@
+"""TokenizerManager: the main-process half of the engine.
+
+It tokenizes and checks requests, starts the Scheduler process and talks to it over ZMQ (typed
+io_struct messages), detokenizes incrementally, and turns scheduler outputs into SGLang's response
+dicts (see /work/shared/design/SGLANG_API.md). All of its state lives on one asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import random
+import time
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from sglang_vericache.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetStatsReq,
+    ReqOutput,
+    SchedulerError,
+    SchedulerReady,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+)
+from sglang_vericache.managers.metrics import RequestMetrics
+from sglang_vericache.managers.req_input import GenerateReqInput
+from sglang_vericache.managers.req_state import ReqState
+from sglang_vericache.sampling.sampling_params import InvalidRequest, SamplingParams
+from sglang_vericache.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_READY_TIMEOUT_S = 600.0
+DISCONNECT_POLL_S = 1.0
+
+
+class GenerateError(Exception):
+    """A request that ends in an HTTP error (status_code) instead of an output."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def load_tokenizer(server_args: ServerArgs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+
+
+def launch_scheduler(server_args: ServerArgs, port_args: PortArgs) -> tuple[mp.Process, SchedulerReady]:
+    """Spawns the Scheduler process and waits for its SchedulerReady (or its load error)."""
+    from sglang_vericache.managers.scheduler import run_scheduler_process
+
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
+    proc.start()
+    writer.close()
+    deadline = time.monotonic() + SCHEDULER_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if reader.poll(0.2):
+            try:
+                msg = reader.recv()
+            except EOFError:
+                msg = None
+            if isinstance(msg, SchedulerReady):
+                return proc, msg
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+            if isinstance(msg, dict) and "error" in msg:
+                raise RuntimeError(f"the scheduler failed to start: {msg['error']}")
+            raise RuntimeError(f"the scheduler process exited (code {proc.exitcode}) before it was ready")
+        if not proc.is_alive():
+            raise RuntimeError(f"the scheduler process exited (code {proc.exitcode}) before it was ready")
+    proc.kill()
+    raise RuntimeError(f"the scheduler was not ready after {SCHEDULER_READY_TIMEOUT_S:.0f} s")
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None) -> None:
+        self.server_args = server_args
+        self.port_args = port_args or PortArgs.init_new()
+        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
+        self.model_path = server_args.model_path
+        self.served_model_name = server_args.served_model_name
+
+        # Bind our end before the scheduler exists, so its first messages are never lost.
+        self.zmq_ctx = zmq.asyncio.Context(2)
+        self.recv_from_scheduler = self.zmq_ctx.socket(zmq.PULL)
+        self.recv_from_scheduler.bind(self.port_args.tokenizer_ipc_name)
+        self.scheduler_proc, ready = launch_scheduler(server_args, self.port_args)
+        self.send_to_scheduler = self.zmq_ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
+
+        self.ready = ready
+        self.context_len = ready.context_length
+        self.max_req_input_len = ready.max_req_input_len
+        self.vocab_size = ready.vocab_size
+        self.rng = random.Random(server_args.random_seed)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.metrics = RequestMetrics()
+        self.last_stats: SchedulerStats | None = None
+        self._stats_waiters: deque[asyncio.Future] = deque()
+        self._flush_waiters: deque[asyncio.Future] = deque()
+        self._loop_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def ensure_loop(self) -> None:
+        """Starts the receive loop on the running event loop (once)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+            self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and self.scheduler_proc.is_alive()
+
+    def shutdown(self) -> None:
+        for task in (self._loop_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
+        if self.scheduler_proc.is_alive():
+            self.scheduler_proc.terminate()
+            self.scheduler_proc.join(5)
+            if self.scheduler_proc.is_alive():
+                self.scheduler_proc.kill()
+                self.scheduler_proc.join(5)
+        self.send_to_scheduler.close(0)
+        self.recv_from_scheduler.close(0)
+        self.zmq_ctx.term()
+
+    def _send(self, obj: Any) -> None:
+        if not self.is_healthy:
+            raise GenerateError(f"the scheduler is not running: {self.dead_reason or 'it exited'}", 503)
+        self.send_to_scheduler.send_pyobj(obj)
+
+    async def _watchdog(self) -> None:
+        while self.scheduler_proc.is_alive():
+            await asyncio.sleep(1.0)
+        self._fail_all(f"the scheduler process exited with code {self.scheduler_proc.exitcode}")
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error(reason)
+        for state in list(self.rid_to_state.values()):
+            state.error = GenerateError(reason, 500)
+            state.event.set()
+        self.rid_to_state.clear()
+        for waiters in (self._stats_waiters, self._flush_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(GenerateError(reason, 503))
+
+    # ------------------------------------------------------------------ receive
+
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_from_scheduler.recv_pyobj()
+            try:
+                self._handle_message(msg)
+            except Exception:  # one bad message must not stop every request
+                logger.exception("failed to handle a scheduler message")
+
+    def _handle_message(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):
+            for out in msg.outputs:
+                self._handle_req_output(out)
+        elif isinstance(msg, SchedulerError):
+            state = self.rid_to_state.pop(msg.rid, None)
+            if state is not None:
+                state.error = GenerateError(msg.message, msg.status_code)
+                state.event.set()
+        elif isinstance(msg, SchedulerStats):
+            self.last_stats = msg
+            if self._stats_waiters:
+                self._stats_waiters.popleft().set_result(msg)
+        elif isinstance(msg, FlushCacheReqOutput):
+            if self._flush_waiters:
+                self._flush_waiters.popleft().set_result(msg)
+        else:
+            logger.warning("unexpected message from the scheduler: %r", type(msg).__name__)
+
+    def _handle_req_output(self, out: ReqOutput) -> None:
+        state = self.rid_to_state.get(out.rid)
+        if state is None:  # aborted by us, or a health check that already returned
+            return
+        state.update(out, self.tokenizer)
+        if state.finished:
+            del self.rid_to_state[out.rid]
+            self.metrics.observe_finished(state)
+        state.event.set()
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server runs with --skip-tokenizer-init: send input_ids, not text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _make_seed(self, params: SamplingParams, sample_index: int) -> int:
+        if params.sampling_seed is not None:
+            return (params.sampling_seed + sample_index) % 2**63
+        return self.rng.getrandbits(63)
+
+    def check_prompt(self, input_ids: list[int], max_new_tokens: int) -> None:
+        if not input_ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"input_ids contain token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        n = len(input_ids)
+        if n >= self.context_len:
+            raise InvalidRequest(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
+        if n > self.max_req_input_len:
+            raise InvalidRequest(
+                f"The input ({n} tokens) is longer than this server's limit ({self.max_req_input_len} tokens).")
+        if n + max_new_tokens > self.context_len:
+            raise InvalidRequest(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                f"You requested a total of {n + max_new_tokens} tokens: {n} tokens from the input and "
+                f"{max_new_tokens} tokens for the completion.")
+
+    def _build_states(self, obj: GenerateReqInput) -> list[tuple[ReqState, TokenizedGenerateReqInput]]:
+        """Tokenizes and checks every prompt, expands n; raises before anything is sent."""
+        built = []
+        for i in range(obj.batch_size):
+            text, input_ids = obj.prompt(i)
+            if text is not None:
+                if text == "":
+                    raise InvalidRequest("the prompt is empty" + (f" (text[{i}])" if not obj.is_single else ""))
+                input_ids = self.tokenize(text)
+            params = SamplingParams.from_dict(obj.item("sampling_params", i))
+            params.verify(self.vocab_size)
+            if (params.stop or params.stop_regex) and self.tokenizer is None:
+                raise InvalidRequest("stop strings need a tokenizer; this server runs with --skip-tokenizer-init")
+            self.check_prompt(input_ids, params.max_new_tokens)
+            return_logprob = bool(obj.item("return_logprob", i))
+            start = obj.item("logprob_start_len", i)
+            top_n = obj.item("top_logprobs_num", i) or 0
+            if start is None or start == -1:
+                start = -1
+            elif not 0 <= start < len(input_ids):
+                raise InvalidRequest(
+                    f"logprob_start_len ({start}) must be in [0, {len(input_ids)}) (the prompt length) or -1")
+            user_rid = obj.item("rid", i)
+            for j in range(params.n):
+                if user_rid is not None and params.n == 1:
+                    rid = user_rid
+                elif user_rid is not None:
+                    rid = f"{user_rid}-{j}"
+                else:
+                    rid = uuid.uuid4().hex
+                if rid in self.rid_to_state or any(s.rid == rid for s, _ in built):
+                    raise InvalidRequest(f"duplicate request id: {rid}")
+                state = ReqState(
+                    rid=rid, index=len(built), stream=obj.stream, params=params, prompt_ids=input_ids,
+                    return_logprob=return_logprob, top_logprobs_num=top_n,
+                    return_text_in_logprobs=obj.return_text_in_logprobs, tokenizer=self.tokenizer,
+                )
+                req = TokenizedGenerateReqInput(
+                    rid=rid, input_ids=list(input_ids), sampling_params=dataclasses.replace(params, n=1),
+                    seed=self._make_seed(params, j), return_logprob=return_logprob,
+                    logprob_start_len=start if return_logprob else -1,
+                    top_logprobs_num=top_n if return_logprob else 0, stream=obj.stream, input_text=text,
+                )
+                built.append((state, req))
+        return built
+
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[Any]:
+        """Yields one response (dict, or list for batches) or, when streaming, one dict per event.
+
+        Streaming batch events carry "index". Requests still running when the caller stops
+        iterating (client disconnect) are aborted, which frees their KV in the scheduler.
+        """
+        self.ensure_loop()
+        built = self._build_states(obj)
+        states = [s for s, _ in built]
+        for state, req in built:
+            self.rid_to_state[state.rid] = state
+        try:
+            for _, req in built:
+                self._send(req)
+            if obj.stream:
+                async for event in self._stream(states, request, with_index=not obj.is_single):
+                    yield event
+            else:
+                outs = await asyncio.gather(*(self._wait_final(s, request) for s in states))
+                yield outs[0] if obj.is_single and len(outs) == 1 else list(outs)
+        finally:
+            for state in states:
+                if not state.finished:
+                    self.abort_request(state.rid)
+
+    def abort_request(self, rid: str) -> None:
+        state = self.rid_to_state.pop(rid, None)
+        if state is not None and self.is_healthy:
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    async def _wait_event(self, state: ReqState, request) -> None:
+        while True:
+            if request is None:
+                await state.event.wait()
+                break
+            try:
+                await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise GenerateError(f"the client disconnected; request {state.rid} aborted", 499)
+        state.event.clear()
+        if state.error is not None:
+            raise state.error
+
+    async def _wait_final(self, state: ReqState, request) -> dict:
+        while not state.finished:
+            await self._wait_event(state, request)
+        return state.make_output(final=True)
+
+    async def _stream(self, states: list[ReqState], request, with_index: bool) -> AsyncIterator[dict]:
+        pending = {asyncio.ensure_future(self._wait_event(s, None)): s for s in states}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    state = pending.pop(task)
+                    task.result()  # raises the request's error
+                    event = state.make_output(final=False)
+                    if with_index:
+                        event["index"] = state.index
+                    yield event
+                    if not state.finished:
+                        pending[asyncio.ensure_future(self._wait_event(state, None))] = state
+        finally:
+            for task in pending:
+                task.cancel()
+
+    # ------------------------------------------------------------------ control
+
+    async def get_stats(self) -> SchedulerStats:
+        self.ensure_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        self._send(GetStatsReq())
+        return await asyncio.wait_for(fut, 30)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        self.ensure_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        self._send(FlushCacheReq())
+        return await asyncio.wait_for(fut, 30)

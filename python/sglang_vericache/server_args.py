@@ -1,0 +1,152 @@
+"""ServerArgs: every knob of the runtime, with SGLang's flag names where the concept is the same."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """The bundled code model that ships inside the package."""
+    return os.path.join(os.path.dirname(__file__), "assets", "vericache-code-tiny")
+
+
+@dataclass
+class ServerArgs:
+    model_path: str = field(default_factory=default_model_path)
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    device: str = "cpu"
+    context_length: int | None = None
+    chat_template: str | None = None
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+
+    # Memory and batching.
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 4096
+    disable_radix_cache: bool = False
+
+    # Sampling defaults.
+    random_seed: int = 0
+
+    # Attention.
+    attention_backend: str = "torch"
+    num_threads: int | None = None
+
+    # Tool calling.
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError(
+                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size})"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        add = parser.add_argument
+        add("--model-path", type=str, default=None,
+            help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
+                 "Default: the bundled code model.")
+        add("--tokenizer-path", type=str, default=None, help="Tokenizer folder (default: --model-path).")
+        add("--served-model-name", type=str, default=None, help="Model name reported by /v1/models.")
+        add("--skip-tokenizer-init", action="store_true",
+            help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
+        add("--dtype", type=str, default=d["dtype"].default, choices=DTYPES,
+            help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 checkpoints).")
+        add("--device", type=str, default=d["device"].default, help="Device to run on: cpu or cuda.")
+        add("--context-length", type=int, default=None,
+            help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")
+        add("--chat-template", type=str, default=None,
+            help="A Jinja chat template file that overrides the tokenizer's own.")
+        add("--host", type=str, default=d["host"].default, help="HTTP host to bind.")
+        add("--port", type=int, default=d["port"].default, help="HTTP port to bind.")
+        add("--api-key", type=str, default=None, help="Require 'Authorization: Bearer KEY' on every request.")
+        add("--log-level", type=str, default=d["log_level"].default, help="Logging level.")
+        add("--page-size", type=int, default=d["page_size"].default, help="Tokens per KV-cache page.")
+        add("--max-total-tokens", type=int, default=None,
+            help="Token slots in the KV pool (default: sized from --mem-fraction of free memory, capped).")
+        add("--max-running-requests", type=int, default=d["max_running_requests"].default,
+            help="Most requests decoding at once.")
+        add("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
+            help="Most prompt tokens one request prefills per forward pass (longer prompts are chunked).")
+        add("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
+            help="Most prompt tokens in one prefill batch.")
+        add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
+        add("--random-seed", type=int, default=d["random_seed"].default,
+            help="Seed for the server's random choices (seeds of unseeded requests).")
+        add("--attention-backend", type=str, default=d["attention_backend"].default,
+            help="Attention backend: torch (reference, CPU and CUDA).")
+        add("--num-threads", type=int, default=None, help="torch intra-op threads in the scheduler process.")
+        add("--tool-call-parser", type=str, default=None,
+            help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name, None)
+            if value is not None:
+                kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_vericache.launch_server",
+        description="Serve a model with SGLang's HTTP API and OpenAI-compatible endpoints.",
+    )
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+        raise
+
+
+@dataclass
+class PortArgs:
+    """ZMQ endpoints between the TokenizerManager and the Scheduler process."""
+
+    scheduler_input_ipc_name: str
+    tokenizer_ipc_name: str
+
+    @staticmethod
+    def init_new() -> PortArgs:
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="sglang-vericache-")
+        return PortArgs(
+            scheduler_input_ipc_name=f"ipc://{d}/scheduler_input",
+            tokenizer_ipc_name=f"ipc://{d}/tokenizer",
+        )

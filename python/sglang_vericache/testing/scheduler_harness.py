@@ -1,0 +1,59 @@
+"""Drive a Scheduler in-process, without ZMQ: for tests and benchmarks that compare modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict | None = None
+    cached_tokens: int = 0
+    meta: dict = field(default_factory=dict)
+    output_token_logprobs: list = field(default_factory=list)
+    input_token_logprobs: list | None = None
+
+
+def make_request(
+    rid: str, input_ids: list[int], seed: int = 0, return_logprob: bool = False, **sampling
+) -> TokenizedGenerateReqInput:
+    params = SamplingParams.from_dict(sampling)
+    params.verify()
+    return TokenizedGenerateReqInput(
+        rid=rid, input_ids=list(input_ids), sampling_params=params, seed=seed, return_logprob=return_logprob
+    )
+
+
+def run_to_completion(
+    scheduler: Scheduler, requests: list[TokenizedGenerateReqInput], max_steps: int = 100_000
+) -> dict[str, Result]:
+    """Submits all requests at once and steps until every one has finished."""
+    results = {r.rid: Result() for r in requests}
+    for r in requests:
+        err = scheduler.handle_message(r)
+        if isinstance(err, SchedulerError):
+            raise ValueError(err.message)
+    pending = set(results)
+    for _ in range(max_steps):
+        if not pending:
+            return results
+        scheduler.step()
+        outputs, scheduler.outbox = scheduler.outbox, []
+        for out in outputs:
+            res = results[out.rid]
+            res.output_ids.extend(out.new_output_ids)
+            res.cached_tokens = out.cached_tokens
+            res.meta = out.meta
+            if out.output_token_logprobs:
+                res.output_token_logprobs.extend(out.output_token_logprobs)
+            if out.input_token_logprobs is not None:
+                res.input_token_logprobs = out.input_token_logprobs
+            if out.finished_reason is not None:
+                res.finished_reason = out.finished_reason
+                pending.discard(out.rid)
+    raise RuntimeError(f"requests did not finish in {max_steps} steps: {sorted(pending)}")

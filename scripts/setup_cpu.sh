@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up .venv for a CPU machine: torch (CPU build) first, then the package and its light
+# dependencies, then sglang with --no-deps (its declared CUDA stack is not wanted on a CPU).
+# Usage: bash scripts/setup_cpu.sh [--test]   (--test adds the test and benchmark tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip_install() {
+  # Hides pip's warnings about local mirror folders this machine may lack; keeps pip's exit status.
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  return "${PIPESTATUS[0]}"
+}
+pip_install -r requirements/torch-cpu.txt
+pip_install -e .
+pip_install --no-deps -r requirements/sglang-nodeps.txt
+if [ "${1:-}" = "--test" ]; then
+  pip_install -r requirements/test.txt
+fi
+.venv/bin/python -c "import torch, sglang_vericache; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
