@@ -39,6 +39,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """Builds from a JSON object; unknown keys and wrong types are errors, not silently dropped."""
+        if d is not None and not isinstance(d, dict):
+            raise InvalidRequest(f"sampling_params must be an object, got {type(d).__name__}")
         d = dict(d or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(d) - set(known))
@@ -86,6 +88,14 @@ class SamplingParams:
             v = getattr(self, name)
             need(name, v is None or isinstance(v, str), "a string")
         need("sampling_seed", self.sampling_seed is None or is_int(self.sampling_seed), "an integer")
+
+        def is_token_key(k: object) -> bool:
+            return is_int(k) or (isinstance(k, str) and k.strip().removeprefix("-").isdecimal())
+
+        need("logit_bias", self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(is_token_key(k) and is_num(v) for k, v in self.logit_bias.items())
+        ), "an object mapping token ids to numbers")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             need(name, isinstance(getattr(self, name), bool), "a boolean")
 
@@ -115,10 +125,19 @@ class SamplingParams:
             raise InvalidRequest(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        bad = [t for t in self.stop_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {vocab_size or 'vocab'}): {bad}")
+        if self.logit_bias:
+            bad = [k for k, v in self.logit_bias.items() if not -100.0 <= v <= 100.0]
             if bad:
-                raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}")
+                raise InvalidRequest(f"logit_bias values must be in [-100, 100], bad for token(s) {bad}")
+            limit = vocab_size if vocab_size is not None else float("inf")
+            bad = [k for k in self.logit_bias if not 0 <= int(k) < limit]
+            if bad:
+                raise InvalidRequest(
+                    f"logit_bias token ids outside the vocabulary [0, {vocab_size or 'vocab'}): {bad}"
+                )
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
             raise InvalidRequest("only one of regex, json_schema and ebnf may be set")
         if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
