@@ -1,0 +1,43 @@
+"""SnapKV, chunk-local: the chunk's trailing window of queries votes for the keys to keep."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sglang_vericache.compress.token_drop import (
+    TokenDropCompressor,
+    attention_mass,
+    recent_indices,
+    top_k_indices,
+)
+
+
+class SnapKVCompressor(TokenDropCompressor):
+    """Score = causal softmax(q_window @ k^T * scale) summed over the W window queries and the
+    q-heads of each KV group, then 1D avg/max pooling (kernel_size, stride 1, zero/-inf padding,
+    as SnapKV) over the T - W keys before the window. Per KV head keep the window's own tokens
+    (its most recent min(k, W)), then the top-scored earlier keys; ties go to the lower index.
+    """
+
+    name = "snapkv"
+
+    def query_window(self, layer_id: int) -> int:
+        return min(self.config.window_size, self.config.chunk_size)
+
+    def select(self, layer_id, k, q, positions):
+        q = self._check_q(layer_id, q, k)
+        num_tokens, window, n = k.shape[-3], self.query_window(layer_id), self.rows(layer_id)
+        keep_window = recent_indices(k, min(n, window))
+        if n <= window:
+            return keep_window
+        scores = self.pool(attention_mass(q, k, self.config.scale)[..., : num_tokens - window])
+        return torch.cat([top_k_indices(scores, n - window), keep_window], dim=-1)
+
+    def pool(self, scores: torch.Tensor) -> torch.Tensor:
+        """[..., N] -> [..., N] pooled along tokens."""
+        ks = self.config.kernel_size
+        if ks == 1:
+            return scores
+        pool = F.avg_pool1d if self.config.pooling == "avg" else F.max_pool1d
+        return pool(scores.reshape(-1, 1, scores.shape[-1]), ks, stride=1, padding=ks // 2).view(scores.shape)
