@@ -47,6 +47,8 @@ class MatchResult:
 
 
 class RadixCache:
+    node_cls: type[TreeNode] = TreeNode  # subclasses may store more per node
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool | None,
@@ -67,7 +69,7 @@ class RadixCache:
     def reset(self) -> None:
         """Forgets the whole tree. Does not free slots: clear the allocator alongside."""
         self._clock = 0
-        self.root_node = TreeNode()
+        self.root_node = self.node_cls()
         self.root_node.lock_ref = 1  # the root is never evicted
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -275,7 +277,7 @@ class RadixCache:
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Splits child into new_node (first split_len tokens) -> child (the rest)."""
         assert 0 < split_len < len(child.key) and split_len % self.page_size == 0
-        new_node = TreeNode(child.last_access_time)
+        new_node = self.node_cls(child.last_access_time)
         new_node.hit_count = child.hit_count
         new_node.lock_ref = child.lock_ref  # same lockers, so evictable/protected sizes are unchanged
         new_node.parent = child.parent
@@ -305,7 +307,7 @@ class RadixCache:
             key, value = key[n:], value[n:]
             node = child
         if key:
-            new_node = TreeNode(now)
+            new_node = self.node_cls(now)
             new_node.parent = node
             new_node.key = key
             new_node.value = value.clone()

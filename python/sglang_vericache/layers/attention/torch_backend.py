@@ -1,0 +1,198 @@
+"""TorchNativeAttnBackend: reference attention over the paged KV pool, in plain torch ops.
+
+Attention itself is torch's scaled_dot_product_attention with a boolean mask (on CPU a
+fused kernel that keeps softmax statistics in float32: about 2x faster than eager matmuls
+for decode, and float32 results within ~1e-6 of HF's eager attention). GQA is done by
+grouping the query heads that share a KV head (head h uses KV head h // group, as HF's
+repeat_kv), never by copying K/V.
+
+Two layouts, chosen per forward in init_forward_metadata:
+- padded: every request's queries padded to Lq = max new tokens and its KV gathered to
+  S = max seq_len, one batched matmul for the whole batch (DECODE, TARGET_VERIFY, and any
+  EXTEND whose padding waste is small);
+- ragged: one matmul per request (EXTEND with very uneven lengths), queries split into blocks
+  so the score tensor stays below MAX_SCORE_BYTES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from sglang_vericache.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from sglang_vericache.layers.radix_attention import RadixAttention
+    from sglang_vericache.model_executor.forward_batch import ForwardBatch
+
+MAX_SCORE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class PaddedMetadata:
+    batch_size: int
+    q_len: int  # Lq
+    kv_index: torch.Tensor  # [B, S] slots; 0 (the padding slot) beyond seq_len
+    allowed: torch.Tensor | None  # [B, Lq, S] bool attention mask; None = every key visible
+    q_index: torch.Tensor | None  # [B*Lq] token row of each padded query (None: identity)
+    out_index: torch.Tensor | None  # [T] padded row of each real token (None: identity)
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # group size -> SDPA mask
+
+
+@dataclass
+class RaggedBlock:
+    q_start: int  # first token row of this block
+    q_len: int
+    kv_index: torch.Tensor  # [1, S_block]
+    allowed: torch.Tensor  # [1, q_len, S_block]
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class RaggedMetadata:
+    blocks: list[RaggedBlock]
+
+
+def _causal_mask(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """[B, q_len, kv_len] bool: query i of request b (position prefix_b + i) sees keys j <= prefix_b + i,
+    j < seq_len_b. Padded query rows (i >= extend len) see the whole request, so no row is empty."""
+    dev = seq_lens.device
+    i = torch.arange(q_len, device=dev)[None, :, None]
+    j = torch.arange(kv_len, device=dev)[None, None, :]
+    return (j <= prefix_lens[:, None, None] + i) & (j < seq_lens[:, None, None])
+
+
+def _sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | None:
+    """The mask for query rows ordered (group g, query i) -> row g*Lq + i: [B, 1, G*Lq, S] (cached)."""
+    if md.allowed is None:
+        return None
+    if group not in md.masks:
+        bs, q_len, s = md.allowed.shape
+        if q_len == 1:
+            md.masks[group] = md.allowed[:, None]  # [B, 1, 1, S] broadcasts over the group
+        else:
+            md.masks[group] = md.allowed[:, None, None].expand(bs, 1, group, q_len, s).reshape(bs, 1, -1, s)
+    return md.masks[group]
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None):
+        self.model_runner = model_runner
+        self.forward_metadata: PaddedMetadata | RaggedMetadata | None = None
+        num_heads = getattr(getattr(model_runner, "model_config", None), "num_attention_heads", 32)
+        self.num_heads = num_heads
+        self.force_layout: str | None = None  # "padded" / "ragged" to override the choice (tests)
+        self.max_score_bytes = MAX_SCORE_BYTES  # ragged layout: query block size bound
+
+    # ---- metadata -------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
+        ext_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+        prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+        req_to_token = fb.req_to_token_pool.req_to_token
+        bs = fb.batch_size
+        max_q, max_s = max(ext_lens), max(seq_lens)
+        padded_cost = bs * max_q * max_s
+        ragged_cost = sum(e * s for e, s in zip(ext_lens, seq_lens))
+        padded = fb.forward_mode.is_decode() or padded_cost <= 2 * ragged_cost + 4096
+        if self.force_layout is not None and not fb.forward_mode.is_decode():
+            padded = self.force_layout == "padded"
+        if padded:
+            self.forward_metadata = self._padded(fb, req_to_token, ext_lens, max_q, max_s)
+        else:
+            self.forward_metadata = self._ragged(fb, req_to_token, seq_lens, ext_lens, prefix_lens)
+
+    def _padded(self, fb, req_to_token, ext_lens, max_q, max_s) -> PaddedMetadata:
+        dev = fb.input_ids.device
+        seq_lens = fb.seq_lens.to(dev)
+        kv_index = req_to_token[fb.req_pool_indices, :max_s]
+        in_range = torch.arange(max_s, device=dev)[None, :] < seq_lens[:, None]
+        kv_index = torch.where(in_range, kv_index, torch.zeros_like(kv_index))
+        if fb.forward_mode.is_decode() and min(fb.seq_lens_cpu or fb.seq_lens.tolist()) == max_s:
+            allowed = None  # every request sees all max_s keys
+        else:
+            allowed = _causal_mask(fb.extend_prefix_lens.to(dev), seq_lens, max_q, max_s)
+        q_index = out_index = None
+        if any(e != max_q for e in ext_lens):
+            ext = fb.extend_seq_lens.to(dev)
+            starts = torch.cumsum(ext, 0) - ext
+            i = torch.arange(max_q, device=dev)[None, :]
+            valid = i < ext[:, None]  # [B, Lq]
+            q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
+            out_index = valid.flatten().nonzero().squeeze(1)
+        return PaddedMetadata(fb.batch_size, max_q, kv_index, allowed, q_index, out_index)
+
+    def _ragged(self, fb, req_to_token, seq_lens, ext_lens, prefix_lens) -> RaggedMetadata:
+        dev = fb.input_ids.device
+        pool_idx = fb.req_pool_indices.tolist()
+        blocks: list[RaggedBlock] = []
+        q_start = 0
+        for r, seq_len, ext, prefix in zip(pool_idx, seq_lens, ext_lens, prefix_lens):
+            block = max(1, self.max_score_bytes // (4 * self.num_heads * seq_len))
+            for b0 in range(0, ext, block):
+                q_len = min(block, ext - b0)
+                kv_len = prefix + b0 + q_len  # keys this block can see
+                allowed = _causal_mask(
+                    torch.tensor([prefix + b0], device=dev), torch.tensor([kv_len], device=dev), q_len, kv_len
+                )
+                blocks.append(RaggedBlock(q_start + b0, q_len, req_to_token[r : r + 1, :kv_len], allowed))
+            q_start += ext
+        return RaggedMetadata(blocks)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
+            v = v.reshape(num_tokens, layer.num_kv_heads, layer.v_head_dim)
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        md = self.forward_metadata
+        if isinstance(md, PaddedMetadata):
+            qp = q if md.q_index is None else q.index_select(0, md.q_index)
+            out = _attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
+            return out if md.out_index is None else out.index_select(0, md.out_index)
+        outs = [
+            _attend(q[b.q_start : b.q_start + b.q_len], k_buf, v_buf, b, 1, b.q_len, layer)
+            for b in md.blocks
+        ]
+        return torch.cat(outs, 0)
+
+
+def _attend(
+    q: torch.Tensor,  # [B*Lq, H, D], request-major
+    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+    md: PaddedMetadata | RaggedBlock,  # kv_index [B, S] and the mask
+    bs: int,
+    q_len: int,
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """-> [B*Lq, H*Dv]."""
+    h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    g = h // hkv
+    s = md.kv_index.shape[1]
+    flat = md.kv_index.reshape(-1)
+    keys = k_buf.index_select(0, flat).view(bs, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
+    values = v_buf.index_select(0, flat).view(bs, s, hkv, -1).transpose(1, 2)  # [B, Hkv, S, Dv]
+    # Query heads grouped by their KV head, rows ordered (g, i): [B, Hkv, G*Lq, D].
+    qg = q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
+    if keys.dtype != qg.dtype:
+        keys, values = keys.to(qg.dtype), values.to(qg.dtype)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=_sdpa_mask(md, g), scale=layer.scaling)
+    return out.view(bs, hkv, g, q_len, -1).permute(0, 3, 1, 2, 4).reshape(bs * q_len, -1)

@@ -1,0 +1,37 @@
+"""RadixAttention: the model-side handle of one attention layer; the backend does the work."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from sglang_vericache.model_executor.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int):
+        super().__init__()
+        self.tp_q_head_num = num_heads
+        self.tp_k_head_num = num_kv_heads
+        self.tp_v_head_num = num_kv_heads
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.qk_head_dim = head_dim
+        self.v_head_dim = head_dim
+        self.scaling = scaling
+        self.layer_id = layer_id
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """q [T, H*D] or [T, H, D], k/v [T, Hkv*D] or [T, Hkv, D] -> [T, H*D]."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

@@ -1,0 +1,87 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_vericache.layers.attention.registry import create_attention_backend
+from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from sglang_vericache.model_config import ModelConfig
+from sglang_vericache.model_executor.forward_batch import ForwardBatch
+from sglang_vericache.model_loader.loader import load_model
+from sglang_vericache.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOTAL_TOKENS = 2**17
+DEFAULT_MEM_FRACTION = 0.25  # of available RAM, when --max-total-tokens is unset
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs):
+        self.server_args = server_args
+        self.device = server_args.device
+        if server_args.num_threads:
+            torch.set_num_threads(server_args.num_threads)
+        self.model_config = ModelConfig.from_server_args(server_args)
+        self.dtype = self.model_config.dtype
+        self.page_size = server_args.page_size
+        self.model = load_model(self.model_config, self.device)
+        self.init_memory_pool()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+
+    def init_memory_pool(self) -> None:
+        cfg, args, ps = self.model_config, self.server_args, self.page_size
+        self.req_to_token_pool = ReqToTokenPool(
+            size=args.max_running_requests + 8, max_context_len=cfg.context_len + 64, device=self.device
+        )
+        bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        bytes_per_token *= torch.tensor([], dtype=self.dtype).element_size()
+        if args.max_total_tokens is not None:
+            max_tokens = args.max_total_tokens
+        else:
+            budget = int(_available_memory(self.device) * DEFAULT_MEM_FRACTION)
+            max_tokens = min(DEFAULT_MAX_TOTAL_TOKENS, budget // bytes_per_token)
+        num_pages = max_tokens // ps
+        if num_pages < 2:
+            raise ValueError(f"KV pool too small: {max_tokens} tokens is under two pages of {ps}")
+        self.max_total_num_tokens = num_pages * ps
+        self.token_to_kv_pool_allocator = PagedTokenAllocator(num_pages, ps, device=self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            num_slots=(num_pages + 1) * ps,  # + page 0, the padding page
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV pool: %d tokens (%d pages of %d), %.1f MiB",
+            self.max_total_num_tokens, num_pages, ps, self.max_total_num_tokens * bytes_per_token / 2**20,
+        )
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """-> float32 logits [n_rows, vocab] for the rows in forward_batch.logits_indices
+        (None: each request's last token)."""
+        fb = forward_batch
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model.forward(fb.input_ids, fb.positions, fb)
+            rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
+            if not (fb.forward_mode.is_decode() and fb.logits_indices is None):
+                hidden = hidden.index_select(0, rows.to(hidden.device))
+            return self.model.compute_logits(hidden)
+
+
+def _available_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available

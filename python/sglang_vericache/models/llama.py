@@ -1,0 +1,213 @@
+"""Llama (2/3, llama3 RoPE scaling) and Mistral; the building blocks Qwen2 and Qwen3 reuse.
+
+Weights are stored fused: qkv_proj = [q; k; v] rows, gate_up_proj = [gate; up] rows.
+`load_weights` maps Hugging Face names (q_proj, k_proj, ...) onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sglang_vericache.layers.activation import SiluAndMul
+from sglang_vericache.layers.layernorm import RMSNorm
+from sglang_vericache.layers.radix_attention import RadixAttention
+from sglang_vericache.layers.rotary_embedding import (
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+    get_rope_parameters,
+)
+from sglang_vericache.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionFlags:
+    qkv_bias: bool = False  # bias on q/k/v projections
+    o_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+def check_sliding_window(config, context_len: int) -> None:
+    """Sliding-window attention is not implemented; it is harmless only if the window covers the context."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < context_len:
+        raise NotImplementedError(
+            f"sliding_window={window} < context length {context_len}: sliding-window attention is not "
+            f"supported; pass --context-length {window} (or less) to serve this model"
+        )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, flags: AttentionFlags):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags.o_bias)
+        self.qk_norm = flags.qk_norm
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, flags: AttentionFlags):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, flags)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, flags: AttentionFlags):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, get_rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, forward_batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # (fused param, HF name, shard id): q/k/v rows of qkv_proj, gate/up rows of gate_up_proj.
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    @classmethod
+    def attention_flags(cls, config) -> AttentionFlags:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionFlags(qkv_bias=bias, o_bias=bias)
+
+    def __init__(self, config, context_len: int | None = None):
+        super().__init__()
+        self.config = config
+        context_len = context_len or config.max_position_embeddings
+        check_sliding_window(config, context_len)
+        self.model = LlamaModel(config, context_len + 64, self.attention_flags(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
+        """-> hidden states [num_tokens, hidden] after the final norm."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights --------------------------------------------------------------------------
+    def _shard_rows(self, param_name: str, shard_id, attn: LlamaAttention | None) -> slice:
+        if shard_id == "q":
+            return slice(0, attn.q_size)
+        if shard_id == "k":
+            return slice(attn.q_size, attn.q_size + attn.kv_size)
+        if shard_id == "v":
+            return slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+        inter = self.config.intermediate_size
+        return slice(shard_id * inter, (shard_id + 1) * inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (fused) parameters; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}  # param name -> rows (or 1) filled
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            for fused, hf, shard_id in self.stacked_params_mapping:
+                if f".{hf}." in name:
+                    name = name.replace(f".{hf}.", f".{fused}.")
+                    param = self._param(params, name)
+                    layer_id = int(name.split(".layers.")[1].split(".")[0])
+                    attn = self.model.layers[layer_id].self_attn
+                    rows = self._shard_rows(fused, shard_id, attn)
+                    _copy(param.data[rows], w, name)
+                    filled[name] = filled.get(name, 0) + (rows.stop - rows.start)
+                    break
+            else:
+                param = self._param(params, name)
+                _copy(param.data, w, name)
+                filled[name] = param.shape[0]
+        if "lm_head.weight" not in filled and "lm_head.weight" in params:
+            self.tie_weights()  # checkpoint without lm_head: tied embeddings
+            params.pop("lm_head.weight")
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            more = " ..." if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{more}")
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+        return params[name]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}"
+        )
+    dst.copy_(src.to(dst.dtype))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same architecture as Llama (sliding window only where it covers the whole context)."""
