@@ -30,6 +30,8 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
+    # Output tokens per streaming event (SGLang's --stream-interval); the first token and the finish always go out.
+    stream_interval: int = 1
 
     # Memory and batching.
     page_size: int = 16
@@ -38,6 +40,14 @@ class ServerArgs:
     chunked_prefill_size: int = 512
     max_prefill_tokens: int = 4096
     disable_radix_cache: bool = False
+
+    # Two-tier KV cache and VeriCache (issues 4-6).
+    kv_compressor: str | None = None
+    kv_compression_ratio: float = 4.0
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
+    device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
+    host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
 
     # Sampling defaults.
     random_seed: int = 0
@@ -56,9 +66,36 @@ class ServerArgs:
             self.served_model_name = self.model_path
         self.validate()
 
+    @property
+    def kv_mode(self) -> str:
+        """full: exact KV only; lossy: compressed KV only; vericache: draft compressed, verify exact."""
+        if self.speculative_algorithm:
+            return "vericache"
+        return "lossy" if self.kv_compressor else "full"
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
+
     def validate(self) -> None:
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm.upper() != "VERICACHE":
+                raise ValueError(f"--speculative-algorithm must be VERICACHE, got {self.speculative_algorithm!r}")
+            self.speculative_algorithm = "VERICACHE"
+            if not self.kv_compressor:
+                raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
+        x = self.speculative_num_draft_tokens
+        if x != "auto" and not (str(x).isdigit() and 1 <= int(x) <= 64):
+            raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {x!r}")
+        if not self.kv_compression_ratio >= 1.0:
+            raise ValueError(f"--kv-compression-ratio must be >= 1, got {self.kv_compression_ratio}")
+        for name in ("device_kv_budget", "host_kv_budget"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), "--" + name.replace("_", "-"))
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -92,6 +129,8 @@ class ServerArgs:
         add("--port", type=int, default=d["port"].default, help="HTTP port to bind.")
         add("--api-key", type=str, default=None, help="Require 'Authorization: Bearer KEY' on every request.")
         add("--log-level", type=str, default=d["log_level"].default, help="Logging level.")
+        add("--stream-interval", type=int, default=d["stream_interval"].default,
+            help="Output tokens per streaming event (the first token and the finish are always sent at once).")
         add("--page-size", type=int, default=d["page_size"].default, help="Tokens per KV-cache page.")
         add("--max-total-tokens", type=int, default=None,
             help="Token slots in the KV pool (default: sized from --mem-fraction of free memory, capped).")
@@ -102,6 +141,21 @@ class ServerArgs:
         add("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
             help="Most prompt tokens in one prefill batch.")
         add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
+        add("--kv-compressor", type=str, default=None,
+            help="KV compressor for the compressed tier: streamingllm, snapkv, pyramidkv, h2o, knorm, kivi2, "
+                 "kivi4, int8, fp8. Alone it serves from compressed KV (lossy); with "
+                 "--speculative-algorithm VERICACHE it drafts from it and verifies against exact KV.")
+        add("--kv-compression-ratio", type=float, default=d["kv_compression_ratio"].default,
+            help="Compression ratio of token-dropping compressors (quantizers imply their own).")
+        add("--speculative-algorithm", type=str, default=None,
+            help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV.")
+        add("--speculative-num-draft-tokens", type=str, default=d["speculative_num_draft_tokens"].default,
+            help="Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance.")
+        add("--device-kv-budget", type=str, default=None,
+            help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
+                 "keep the compressed tier, exact tails and verification staging here.")
+        add("--host-kv-budget", type=str, default=None,
+            help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB).")
         add("--random-seed", type=int, default=d["random_seed"].default,
             help="Seed for the server's random choices (seeds of unseeded requests).")
         add("--attention-backend", type=str, default=d["attention_backend"].default,
@@ -118,6 +172,19 @@ class ServerArgs:
             if value is not None:
                 kwargs[f.name] = value
         return cls(**kwargs)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str | int, flag: str = "size") -> int:
+    """'64MB' -> 64_000_000, '2GiB' -> 2**31, '1000' -> 1000."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{flag} must be a size like 512MB or 2GiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:

@@ -34,4 +34,6 @@ class RadixAttention(nn.Module):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """q [T, H*D] or [T, H, D], k/v [T, Hkv*D] or [T, Hkv, D] -> [T, H*D]."""
+        if forward_batch.captured_q is not None:
+            forward_batch.captured_q[self.layer_id] = q.reshape(q.shape[0], -1)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

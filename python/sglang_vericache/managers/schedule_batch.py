@@ -56,6 +56,12 @@ class Req:
     # Mode-specific counters reported in meta_info (e.g. speculative rounds).
     meta: dict = field(default_factory=dict)
 
+    # Two-tier modes (see spec/two_tier.py): compressed chunk ids of pages [0, C), of which the
+    # first comp_prefix_len // page_size are the radix tree's; queries awaiting a fold.
+    comp_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    comp_prefix_len: int = 0
+    q_hist: dict = field(default_factory=dict)
+
     @classmethod
     def from_input(cls, r: TokenizedGenerateReqInput) -> Req:
         return cls(
@@ -111,6 +117,9 @@ class Req:
         self.last_node = None
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
+        self.comp_indices = _EMPTY
+        self.comp_prefix_len = 0
+        self.q_hist = {}
         self.num_retractions += 1
 
     # ------------------------------------------------------------------ finish checks

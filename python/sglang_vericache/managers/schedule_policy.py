@@ -57,14 +57,23 @@ class PrefillAdder:
             if len(s.running) + len(batch) >= s.server_args.max_running_requests:
                 break
             req = s.waiting_queue[0]
-            match = s.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+            key = req.fill_ids[: req.max_prefix_len()]
+            match = s.tree_cache.match_prefix(key, record_stats=False)
+            if s.two_tier is not None:
+                match = s.two_tier.usable_match(match)
             prefix_len = len(match.device_indices)
             remaining = req.prefill_target_len() - prefix_len
             n = self.chunk_len(req, budget, avail - self.reserve_for(req), remaining)
             if n <= 0:
                 break
+            if s.two_tier is not None and not s.two_tier.can_admit(req, match, n, batch):
+                break
             if not self.admit(req, match, n):
                 break
+            s.tree_cache.num_queried_tokens += len(key)
+            s.tree_cache.num_matched_tokens += prefix_len
+            if s.two_tier is not None:
+                s.tree_cache.num_comp_matched_tokens += match.comp_len
             s.waiting_queue.popleft()
             batch.append((req, n))
             budget -= n
@@ -94,16 +103,25 @@ class PrefillAdder:
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
         s.tree_cache.inc_lock_ref(req.last_node)
+        if s.two_tier is not None:
+            s.tree_cache.inc_comp_lock_ref(req.last_node)
+            req.comp_indices = match.comp_indices
+            req.comp_prefix_len = match.comp_len
         prefix_len = len(match.device_indices)
         s.req_to_token_pool.write(idx, 0, match.device_indices)
         req.kv_committed_len = req.kv_allocated_len = prefix_len
-        if req.num_retractions == 0:
-            req.cached_tokens = prefix_len
-            s.metrics.num_cached_tokens_total += prefix_len
-        if s.alloc_slots(req, n) is None:
-            s.tree_cache.dec_lock_ref(req.last_node)
-            s.req_to_token_pool.free(idx)
-            req.reset_for_retract()
-            req.num_retractions -= 1
-            return False
-        return True
+        # A hit whose compressed copy is shorter: rebuild the missing chunks from exact KV.
+        ok = s.two_tier is None or s.two_tier.fold(req)
+        if ok and s.alloc_slots(req, n) is not None:
+            if req.num_retractions == 0:
+                req.cached_tokens = prefix_len
+                s.metrics.num_cached_tokens_total += prefix_len
+            return True
+        s.tree_cache.dec_lock_ref(req.last_node)
+        if s.two_tier is not None:
+            s.tree_cache.dec_comp_lock_ref(req.last_node)
+            s.two_tier.pool.free(req.comp_indices[len(match.comp_indices) :])
+        s.req_to_token_pool.free(idx)
+        req.reset_for_retract()
+        req.num_retractions -= 1
+        return False

@@ -52,12 +52,25 @@ class Scheduler:
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.allocator = self.model_runner.token_to_kv_pool_allocator
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
-        self.tree_cache = RadixCache(
-            self.req_to_token_pool,
-            self.allocator,
-            self.page_size,
-            disable=server_args.disable_radix_cache,
-        )
+        self.mode = server_args.kv_mode
+        self.two_tier = self.spec_worker = None
+        if self.mode == "full":
+            self.tree_cache = RadixCache(
+                self.req_to_token_pool, self.allocator, self.page_size, disable=server_args.disable_radix_cache
+            )
+        else:
+            from sglang_vericache.mem_cache.two_tier_radix_cache import TwoTierRadixCache
+            from sglang_vericache.spec.two_tier import TwoTierKV
+
+            self.two_tier = TwoTierKV(self)
+            self.tree_cache = TwoTierRadixCache(
+                self.req_to_token_pool, self.allocator, self.two_tier.pool, self.page_size,
+                disable=server_args.disable_radix_cache,
+            )
+            if self.mode == "vericache":
+                from sglang_vericache.spec.vericache_worker import VeriCacheWorker
+
+                self.spec_worker = VeriCacheWorker(self)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -107,8 +120,35 @@ class Scheduler:
                 "dtype": str(mc.dtype).replace("torch.", ""),
                 "num_hidden_layers": mc.num_hidden_layers,
                 "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
+                **self.tier_info(),
             },
         )
+
+    def tier_info(self) -> dict:
+        """Each KV tier's budget: where it lives, and how much it holds."""
+        exact = self.model_runner.token_to_kv_pool
+        info = {
+            "kv_mode": self.mode,
+            "exact_tier": {
+                "where": "device" if self.mode == "full" else "host",
+                "tokens": self.max_total_num_tokens,
+                "bytes": self.max_total_num_tokens * exact.bytes_per_token(),
+            },
+        }
+        if self.two_tier is not None:
+            pool = self.two_tier.pool
+            info["compressed_tier"] = {
+                "where": "device",
+                "compressor": self.server_args.kv_compressor,
+                "chunks": pool.num_chunks,
+                "tokens": pool.num_chunks * self.page_size,
+                "bytes": pool.num_chunks * pool.bytes_per_chunk(),
+                "effective_ratio": round(self.two_tier.compressor.effective_ratio(), 3),
+            }
+        if self.spec_worker is not None:
+            info["speculative_algorithm"] = "VERICACHE"
+            info["speculative_num_draft_tokens"] = self.server_args.speculative_num_draft_tokens
+        return info
 
     # ------------------------------------------------------------------ event loop
 
@@ -180,6 +220,7 @@ class Scheduler:
         if self.running or self.waiting_queue or self.chunked_req:
             return FlushCacheReqOutput(False, "requests are still running")
         self.tree_cache.reset()
+        self.allocator.clear()  # idle: every slot was either free or owned by the tree
         return FlushCacheReqOutput(True)
 
     def get_stats(self):
@@ -266,11 +307,24 @@ class Scheduler:
 
         fb = self.make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
+        if self.two_tier is not None and self.two_tier.needs_queries:
+            fb.captured_q = {}
         logits = self.model_runner.forward(fb)  # zero rows when only KV is wanted (a middle chunk)
 
         to_sample = []
+        token_row = 0
         for req, start, n, lp_rows, sample_row, base, rows in plan:
             req.kv_committed_len = start + n
+            if self.two_tier is not None:
+                if fb.captured_q is not None:
+                    self.two_tier.record_queries(req, fb.captured_q, slice(token_row, token_row + n))
+                token_row += n
+                if not self.two_tier.fold(req):  # admission reserves chunks; this is the safety net
+                    logger.warning("compressed tier full: requeueing %s", req.rid)
+                    if req is self.chunked_req:
+                        self.chunked_req = None
+                    self.retract(req)
+                    continue
             self.metrics.num_prompt_tokens_total += n
             if lp_rows:
                 self.collect_input_logprobs(req, logits[base : base + len(rows)], rows, lp_rows)
@@ -307,18 +361,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
 
-    def run_decode(self) -> None:
-        # Every running request needs one more slot; make room by retracting the newest.
+    def make_room(self, new_tokens) -> None:
+        """Ensures every running request can grow by new_tokens(req) exact slots (and, in two-tier
+        modes, fold the pages that fill), evicting cached prefixes, then retracting the newest."""
         while True:
-            need = sum(self.allocator.pages_needed(r.kv_allocated_len, 1) for r in self.running)
+            need = sum(self.allocator.pages_needed(r.kv_allocated_len, new_tokens(r)) for r in self.running)
             free = self.allocator.available_size() // self.page_size
-            if need <= free:
-                break
-            self.tree_cache.evict((need - free) * self.page_size)
-            free = self.allocator.available_size() // self.page_size
-            if need <= free or len(self.running) == 1:
-                break
+            if need > free:
+                self.tree_cache.evict((need - free) * self.page_size)
+                free = self.allocator.available_size() // self.page_size
+            ok = need <= free
+            if ok and self.two_tier is not None:
+                ok = self.two_tier.reserve_fold_chunks(self.running, new_tokens)
+            if ok or len(self.running) == 1:
+                return
             self.retract(self.running.pop())
+
+    def run_decode(self) -> None:
+        if self.mode == "vericache":
+            self.make_room(lambda r: self.spec_worker.draft_len(r) + 1)
+            self.spec_worker.run_round(list(self.running))
+            return
+        self.make_room(lambda r: 1)
+        if self.mode == "lossy":
+            self.two_tier.lossy_step(list(self.running))
+            return
         reqs = self.running
         out_loc = []
         for req in reqs:
@@ -337,7 +404,10 @@ class Scheduler:
     # ------------------------------------------------------------------ shared
 
     def make_forward_batch(self, mode, batch, input_ids, positions, out_loc) -> ForwardBatch:
-        prefix = [r.kv_committed_len for r, _ in batch]
+        if mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
+            prefix = list(positions)
+        else:
+            prefix = [r.kv_committed_len for r, _ in batch]
         ext = [n for _, n in batch]
         seq = [p + n for p, n in zip(prefix, ext)]
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
@@ -380,22 +450,44 @@ class Scheduler:
             vals, idx = out.top_logprobs
             tops = (vals.tolist(), idx.tolist())
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            self.append_tokens(req, [tok], lps[i : i + 1] if lps else None, tops, i)
+            if req not in self.running and not req.finished:
+                self.running.append(req)
+        self.finish_round(reqs)
+
+    def append_tokens(self, req: Req, tokens: list[int], lps: list[float] | None, tops, row: int) -> int:
+        """Emits tokens in order until one finishes the request; returns how many were emitted.
+        lps[k] / tops row+k are the logprobs of tokens[k]."""
+        for k, tok in enumerate(tokens):
             req.output_ids.append(tok)
             self.metrics.num_generation_tokens_total += 1
             if req.return_logprob:
-                req.output_token_logprobs.append((lps[i], tok))
+                req.output_token_logprobs.append((lps[k], tok))
                 if req.top_logprobs_num:
-                    k = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k])))
+                    n = req.top_logprobs_num
+                    req.output_top_logprobs.append(list(zip(tops[0][row + k][:n], tops[1][row + k][:n])))
             req.check_finished(self.eos_token_ids, self.tokenizer, self.context_len)
-            if req not in self.running and not req.finished:
-                self.running.append(req)
+            if req.finished:
+                return k + 1
+        return len(tokens)
+
+    def finish_round(self, reqs: list[Req]) -> None:
+        """Releases the finished requests of a step and streams the others."""
+        for req in reqs:
             if req.finished:
                 if req in self.running:
                     self.running.remove(req)
                 self.release(req)
             elif req.stream:
                 self.emit(req)
+
+    def truncate_slots(self, req: Req, new_len: int) -> None:
+        """Gives back the whole pages past position new_len-1 (rejected drafts' slots)."""
+        ps = self.page_size
+        keep = -(-new_len // ps) * ps
+        if req.kv_allocated_len > keep:
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_allocated_len])
+        req.kv_allocated_len = new_len
 
     def emit(self, req: Req) -> None:
         """Queues what `req` produced since its last report."""
@@ -408,7 +500,7 @@ class Scheduler:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=n,
             cached_tokens=req.cached_tokens,
-            meta=dict(req.meta),
+            meta={k: v for k, v in req.meta.items() if not k.startswith("_")},
         )
         if req.return_logprob:
             if req.sent_output_len == 0:

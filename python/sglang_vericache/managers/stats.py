@@ -24,7 +24,15 @@ class SchedulerMetrics:
     num_requests_total: int = 0
     num_finished_total: int = 0
     num_retracted_total: int = 0
+    spec_rounds_total: int = 0
+    spec_drafted_total: int = 0
+    spec_accepted_total: int = 0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def on_spec_round(self, drafted: int, accepted: int) -> None:
+        self.spec_rounds_total += 1
+        self.spec_drafted_total += drafted
+        self.spec_accepted_total += accepted
 
     def on_finish(self, req: Req) -> None:
         self.num_finished_total += 1
@@ -54,8 +62,27 @@ class SchedulerMetrics:
             num_requests_total=self.num_requests_total,
             num_retracted_total=self.num_retracted_total,
             extra={
+                "kv_mode": s.mode,
+                **self.two_tier_extra(s),
                 "num_finished_total": self.num_finished_total,
                 "evictable_tokens": s.tree_cache.evictable_size(),
                 "free_tokens": s.allocator.available_size(),
             },
         )
+
+    def two_tier_extra(self, s: Scheduler) -> dict:
+        if s.two_tier is None:
+            return {}
+        pool = s.two_tier.pool
+        rounds = max(self.spec_rounds_total, 1)
+        return {
+            "compressed_chunks_total": pool.num_chunks,
+            "compressed_chunks_free": pool.available_chunks(),
+            "compressed_chunks_cached": s.tree_cache.comp_total_chunks(),
+            "compressed_bytes_per_chunk": pool.bytes_per_chunk(),
+            "compressed_prefix_hit_rate": s.tree_cache.comp_hit_rate(),
+            "spec_rounds_total": self.spec_rounds_total,
+            "spec_drafted_tokens_total": self.spec_drafted_total,
+            "spec_accepted_tokens_total": self.spec_accepted_total,
+            "spec_accept_length": (self.spec_accepted_total + self.spec_rounds_total) / rounds,
+        }

@@ -32,7 +32,8 @@ class CompressedKVPool:
         self.chunk_size = compressor.config.chunk_size  # exact tokens per chunk (= page_size)
         self.layouts: list[Layout] = [compressor.layout(i) for i in range(num_layers)]
         self.buffers: list[dict[str, torch.Tensor]] = [
-            {s.name: torch.zeros((num_chunks + 1, *s.shape), dtype=s.dtype, device=device) for s in lay.tensors}
+            {s.name: torch.zeros((num_chunks + 1, *s.shape), dtype=s.dtype, device=device)
+             for s in lay.tensors}
             for lay in self.layouts
         ]
         self.clear()
@@ -68,7 +69,8 @@ class CompressedKVPool:
         if len(ids) == 0:
             return
         ids = ids.to(torch.int64).cpu()
-        assert not self._is_free[ids].any() and int(ids.min()) > 0, f"freeing free or padding ids {ids.tolist()}"
+        bad = self._is_free[ids].any() or int(ids.min()) <= 0
+        assert not bad, f"freeing free or padding ids {ids.tolist()}"
         assert len(torch.unique(ids)) == len(ids), f"duplicate ids in free {ids.tolist()}"
         self._is_free[ids] = True
         self.free_ids = torch.cat([self.free_ids, ids])

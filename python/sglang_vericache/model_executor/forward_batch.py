@@ -6,26 +6,91 @@ Request i contributes `extend_seq_lens[i]` new tokens at positions
 already in the pool at `req_to_token[req_pool_indices[i], :extend_prefix_lens[i]]`, and the
 new tokens' KV is written to `out_cache_loc` (which the scheduler has also written into
 `req_to_token` before the forward). The new tokens attend causally to everything before them.
+
+DRAFT_DECODE (drafting over the compressed tier, and lossy mode) is the exception: one new token
+per request, whose context is not `req_to_token[:, :seq_len]` but what `draft_ctx` describes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
+    from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 
 
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill / chunked prefill / prefix-cache extend: many new tokens per request
     DECODE = auto()  # exactly one new token per request
     TARGET_VERIFY = auto()  # speculative verify: [last token, drafts] per request, causal, exact KV
+    # one new token per request over ForwardBatch.draft_ctx (compressed + exact tail + drafts);
+    # not is_decode(): its context is not req_to_token[:, :seq_len]
+    DRAFT_DECODE = auto()
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
+    def is_draft_decode(self) -> bool:
+        return self == ForwardMode.DRAFT_DECODE
+
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
+
+
+@dataclass
+class DraftContext:
+    """The attention context of a DRAFT_DECODE batch. Request i (row i of the batch, one new token
+    at positions[i]) attends to, in this order:
+
+      1. compressed rows: every row of chunks comp_ids[i] (in order) of compressed_pool; they cover
+         positions [0, C_i * T), C_i = len(comp_ids[i]), T = compressed_pool.chunk_size
+         (RoPE is already in them; their count per chunk is the layout's `rows`);
+      2. exact tail: slots req_to_token[req_pool_indices[i], C_i*T : C_i*T + tail_lens[i]]
+         of the exact pool (ForwardBatch.token_to_kv_pool);
+      3. draft rows (new_kv == "draft"): slots draft_slots[i] of draft_pool, the previous draft
+         steps' slots in position order, then this step's slot last.
+
+    The new token's K/V are written first, to out_cache_loc of the pool `new_kv` names:
+      - "draft" (VeriCache drafting): out_cache_loc[i] == draft_slots[i][-1];
+      - "exact" (lossy mode, or drafts kept in the exact tail): draft_pool/draft_slots are None and
+        out_cache_loc[i] == req_to_token[req_pool_indices[i], C_i*T + tail_lens[i] - 1], i.e. the
+        tail includes the new token.
+    In a DRAFT_DECODE ForwardBatch: extend_seq_lens = 1s, extend_prefix_lens = positions,
+    seq_lens = positions + 1 (the logical lengths; the backend reads draft_ctx, not these).
+    """
+
+    compressed_pool: CompressedKVPool
+    comp_ids: list[torch.Tensor]  # per request, int64 [C_i] chunk ids (may be empty)
+    tail_lens: list[int]  # per request, exact-tail rows
+    draft_pool: MHATokenToKVPool | None = None
+    draft_slots: list[torch.Tensor] | None = None  # per request, int64 [D_i + 1]
+    new_kv: Literal["draft", "exact"] = "draft"
+
+    def __post_init__(self) -> None:
+        bs = len(self.comp_ids)
+        if len(self.tail_lens) != bs:
+            raise ValueError(f"{len(self.tail_lens)} tail_lens for {bs} requests")
+        if self.new_kv == "draft":
+            if self.draft_pool is None or self.draft_slots is None or len(self.draft_slots) != bs:
+                raise ValueError("new_kv='draft' needs draft_pool and one draft_slots tensor per request")
+            if any(len(s) == 0 for s in self.draft_slots):
+                raise ValueError("draft_slots[i] must end with this step's slot")
+        elif self.new_kv == "exact":
+            if self.draft_pool is not None or self.draft_slots is not None:
+                raise ValueError("new_kv='exact' takes no draft pool (the tail holds the new token)")
+            if any(t < 1 for t in self.tail_lens):
+                raise ValueError("new_kv='exact': tail_lens[i] >= 1 (the tail includes the new token)")
+        else:
+            raise ValueError(f"new_kv must be 'draft' or 'exact', got {self.new_kv!r}")
+
+    def tail_starts(self) -> list[int]:
+        t = self.compressed_pool.chunk_size
+        return [len(ids) * t for ids in self.comp_ids]
 
 
 @dataclass
@@ -46,6 +111,11 @@ class ForwardBatch:
     # Which rows of the flattened hidden states need logits (e.g. each request's last token,
     # or every token of a verify run, or input-logprob ranges). None = each request's last token.
     logits_indices: torch.Tensor | None = None
+    # DRAFT_DECODE only: what each request attends to (see DraftContext).
+    draft_ctx: DraftContext | None = None
+    # When a dict, each attention layer stores its post-RoPE queries [num_tokens, H_q*D] under its
+    # layer id (query-scored compressors need them to compress a chunk).
+    captured_q: dict | None = None
     # Set by the ModelRunner before the forward.
     req_to_token_pool: object = None
     token_to_kv_pool: object = None

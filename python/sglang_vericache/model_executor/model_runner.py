@@ -11,7 +11,7 @@ from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenA
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
 from sglang_vericache.model_loader.loader import load_model
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,17 @@ class ModelRunner:
         )
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
         bytes_per_token *= torch.tensor([], dtype=self.dtype).element_size()
+        # The exact pool is the accelerator's in full mode and the host tier in two-tier modes
+        # (where the accelerator budget goes to the compressed tier instead).
+        exact_budget = args.device_kv_budget if args.kv_mode == "full" else args.host_kv_budget
         if args.max_total_tokens is not None:
             max_tokens = args.max_total_tokens
+        elif exact_budget is not None:
+            max_tokens = parse_bytes(exact_budget) // bytes_per_token
         else:
             budget = int(_available_memory(self.device) * DEFAULT_MEM_FRACTION)
             max_tokens = min(DEFAULT_MAX_TOTAL_TOKENS, budget // bytes_per_token)
+        self.exact_bytes_per_token = bytes_per_token
         num_pages = max_tokens // ps
         if num_pages < 2:
             raise ValueError(f"KV pool too small: {max_tokens} tokens is under two pages of {ps}")
@@ -64,7 +70,8 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """-> float32 logits [n_rows, vocab] for the rows in forward_batch.logits_indices
-        (None: each request's last token)."""
+        (None: each request's last token; in DECODE and DRAFT_DECODE, row i = request i).
+        A DRAFT_DECODE batch brings its own draft_ctx (compressed pool, tail, draft pool)."""
         fb = forward_batch
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
@@ -73,7 +80,8 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model.forward(fb.input_ids, fb.positions, fb)
             rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
-            if not (fb.forward_mode.is_decode() and fb.logits_indices is None):
+            one_row_each = fb.forward_mode.is_decode() or fb.forward_mode.is_draft_decode()
+            if not (one_row_each and fb.logits_indices is None):
                 hidden = hidden.index_select(0, rows.to(hidden.device))
             return self.model.compute_logits(hidden)
 

@@ -12,6 +12,12 @@ Two layouts, chosen per forward in init_forward_metadata:
   EXTEND whose padding waste is small);
 - ragged: one matmul per request (EXTEND with very uneven lengths), queries split into blocks
   so the score tensor stays below MAX_SCORE_BYTES.
+
+DRAFT_DECODE (drafting over the compressed tier; lossy mode) uses DraftMetadata: per layer,
+one gather per context part (compressed rows, exact tail, draft rows) into a padded
+[B, S_c + S_t + S_d] context, one mask, one SDPA for the batch. Token-drop chunks are gathered
+as stored (exact dtype); quantized chunks are dequantized per layer per forward through
+CompressedKVPool.decompress (each distinct chunk once).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_vericache.layers.attention.base import AttentionBackend
+from sglang_vericache.layers.attention.draft_metadata import DraftMetadata, build_draft_metadata
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.radix_attention import RadixAttention
@@ -81,7 +88,7 @@ def _sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | N
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
         self.model_runner = model_runner
-        self.forward_metadata: PaddedMetadata | RaggedMetadata | None = None
+        self.forward_metadata: PaddedMetadata | RaggedMetadata | DraftMetadata | None = None
         num_heads = getattr(getattr(model_runner, "model_config", None), "num_attention_heads", 32)
         self.num_heads = num_heads
         self.force_layout: str | None = None  # "padded" / "ragged" to override the choice (tests)
@@ -90,6 +97,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        if fb.forward_mode.is_draft_decode():
+            self.forward_metadata = build_draft_metadata(fb)
+            return
         seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
         ext_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
         prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
@@ -155,6 +165,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
+        md = self.forward_metadata
+        if isinstance(md, DraftMetadata):
+            return self._forward_draft(q, k, v, layer, forward_batch, md, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
             k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -162,7 +175,6 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
-        md = self.forward_metadata
         if isinstance(md, PaddedMetadata):
             qp = q if md.q_index is None else q.index_select(0, md.q_index)
             out = _attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
@@ -172,6 +184,41 @@ class TorchNativeAttnBackend(AttentionBackend):
             for b in md.blocks
         ]
         return torch.cat(outs, 0)
+
+    def _forward_draft(self, q, k, v, layer, fb: ForwardBatch, md: DraftMetadata, save_kv_cache: bool):
+        """One query per request over [compressed rows | exact tail | draft rows] -> [B, H*Dv]."""
+        ctx, lid, bs = fb.draft_ctx, layer.layer_id, md.batch_size
+        hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        exact = fb.token_to_kv_pool
+        if save_kv_cache:  # the new token's K/V first: it attends to itself
+            pool = ctx.draft_pool if md.new_kv == "draft" else exact
+            pool.set_kv_buffer(lid, fb.out_cache_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
+        layout = ctx.compressed_pool.layouts[lid]
+        ci = md.compressed_index(layout)
+        # (K source, V source, position-major flat index) per part; sources are [rows, Hkv, D]
+        parts = []
+        if ci.valid.shape[1]:
+            if layout.kind == "token_drop":  # rows stored as they were (exact dtype): gather them
+                bufs = ctx.compressed_pool.buffers[lid]
+                parts.append((bufs["k"].flatten(0, 1), bufs["v"].flatten(0, 1), ci.flat_index))
+            else:  # quantized: dequantize (float32) each distinct chunk once
+                parts.append((*ctx.compressed_pool.decompress(lid, ci.chunk_ids), ci.flat_index))
+        parts.append((exact.get_key_buffer(lid), exact.get_value_buffer(lid), md.tail_flat))
+        if md.draft_flat is not None:
+            draft = ctx.draft_pool
+            parts.append((draft.get_key_buffer(lid), draft.get_value_buffer(lid), md.draft_flat))
+        # Position-major [S, B, Hkv, D]: each part is gathered straight into its slice (no concat).
+        s = sum(len(p[2]) for p in parts) // bs
+        k_ctx = torch.empty((s * bs, hkv, d), dtype=q.dtype, device=q.device)
+        v_ctx = torch.empty((s * bs, hkv, dv), dtype=q.dtype, device=q.device)
+        row = 0
+        for k_src, v_src, flat in parts:
+            _gather_into(k_ctx[row : row + len(flat)], k_src, flat)
+            _gather_into(v_ctx[row : row + len(flat)], v_src, flat)
+            row += len(flat)
+        keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
+        values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
+        return _grouped_sdpa(q, keys, values, md.mask(layout), bs, 1, layer)
 
 
 def _attend(
@@ -190,9 +237,33 @@ def _attend(
     flat = md.kv_index.reshape(-1)
     keys = k_buf.index_select(0, flat).view(bs, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
     values = v_buf.index_select(0, flat).view(bs, s, hkv, -1).transpose(1, 2)  # [B, Hkv, S, Dv]
-    # Query heads grouped by their KV head, rows ordered (g, i): [B, Hkv, G*Lq, D].
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    return _grouped_sdpa(q, keys, values, _sdpa_mask(md, g), bs, q_len, layer)
+
+
+def _grouped_sdpa(
+    q: torch.Tensor,  # [B*Lq, H, D], request-major
+    keys: torch.Tensor,  # [B, Hkv, S, D]
+    values: torch.Tensor,  # [B, Hkv, S, Dv]
+    mask: torch.Tensor | None,  # [B, 1, G*Lq or 1, S] bool
+    bs: int,
+    q_len: int,
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """GQA without copying K/V: query heads grouped by their KV head, rows ordered (g, i). -> [B*Lq, H*Dv]."""
+    hkv, d = layer.num_kv_heads, layer.head_dim
+    g = layer.num_heads // hkv
     qg = q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
-    if keys.dtype != qg.dtype:
-        keys, values = keys.to(qg.dtype), values.to(qg.dtype)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=_sdpa_mask(md, g), scale=layer.scaling)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=layer.scaling)
     return out.view(bs, hkv, g, q_len, -1).permute(0, 3, 1, 2, 4).reshape(bs * q_len, -1)
+
+
+def _gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """out[i] = src[index[i]] (out contiguous), converting dtype if needed."""
+    if len(index) == 0:
+        return
+    if src.dtype == out.dtype:
+        torch.index_select(src, 0, index, out=out)
+    else:
+        out.copy_(src.index_select(0, index))

@@ -1,0 +1,107 @@
+"""VeriCache acceptance on code: for each compressor, ratio and draft length, the mean tokens
+emitted per round, the acceptance rate, and output identity with full KV, beside lossy mode.
+
+    .venv/bin/python benchmark/bench_acceptance.py                 # ratios 2 4 8, X = 8 16 30
+
+Writes benchmark/results/acceptance.{json,md} and acceptance.png (accepted tokens per round
+against draft length, one line per compressor at ratio 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from common import RESULTS, code_prompts, first_divergence, machine, run_mode, write_results
+from sglang_vericache.compress.registry import COMPRESSOR_NAMES
+from sglang_vericache.server_args import default_model_path
+
+QUANTIZERS = ("kivi2", "kivi4", "int8", "fp8")
+
+
+def plot(rows: list[dict], ratio: float, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["compressor"] for r in rows):
+        pts = [r for r in rows if r["compressor"] == name and r["ratio"] in (ratio, None)]
+        ax.plot([r["draft_tokens"] for r in pts], [r["accept_length"] for r in pts], marker="o", label=name)
+    xs = sorted({r["draft_tokens"] for r in rows})
+    ax.plot(xs, [x + 1 for x in xs], ls=":", c="grey", label="all accepted (X + 1)")
+    ax.set_xlabel("draft tokens per round (X)")
+    ax.set_ylabel("tokens emitted per round")
+    ax.set_title(f"VeriCache acceptance, token dropping at {ratio:g}x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES), help="Compressors to run.")
+    p.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="Compression ratios.")
+    p.add_argument("--draft-tokens", type=int, nargs="+", default=[8, 16, 30], help="Draft lengths X.")
+    p.add_argument("--num-prompts", type=int, default=8, help="Code prompts (held-out stdlib files).")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"),
+                   help="Prompt length range in tokens.")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="Tokens generated per prompt.")
+    p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size.")
+    args = p.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    ids = [c.ids for c in code_prompts(tok, args.num_prompts, *args.prompt_tokens, model_path=args.model_path)]
+    common = dict(page_size=args.page_size, max_running_requests=len(ids))
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+    full = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **common)
+
+    rows = []
+    pairs = [(c, None) if c in QUANTIZERS else (c, r) for c in args.compressors for r in args.ratios]
+    configs = [(c, r, x) for c, r in dict.fromkeys(pairs) for x in args.draft_tokens]
+    lossy_identical = {}
+    for name, ratio, x in tqdm(configs, desc="vericache runs"):
+        comp = dict(kv_compressor=name, kv_compression_ratio=ratio or 4.0, **common)
+        if (name, ratio) not in lossy_identical:
+            lossy = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **comp)
+            lossy_identical[(name, ratio)] = sum(a == b for a, b in zip(lossy.outputs, full.outputs)) / len(ids)
+        vc = run_mode(args.model_path, ids, args.max_new_tokens, sampling, speculative_algorithm="VERICACHE",
+                      speculative_num_draft_tokens=str(x), **comp)
+        m = vc.metrics
+        diverged = [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
+        rows.append({
+            "compressor": name, "ratio": ratio, "draft_tokens": x,
+            "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
+            "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
+            "accept_rate": m["spec_accepted"] / max(m["spec_drafted"], 1),
+            "identical_to_full": not diverged,
+            "first_divergence": [first_divergence(vc.outputs[i], full.outputs[i]) for i in diverged],
+            "lossy_identical_share": lossy_identical[(name, ratio)],
+            "seconds": vc.seconds,
+        })
+
+    lines = [
+        f"VeriCache acceptance on code: {args.model_path}",
+        f"{len(ids)} held-out code prompts ({args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens), "
+        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}; machine: {machine()}",
+        "",
+        "| compressor | ratio | X | tokens/round | acceptance rate | VeriCache output = full | lossy output = full |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ratio = f"{r['ratio']:g}" if r["ratio"] else "-"
+        same = "yes" if r["identical_to_full"] else f"NO at {r['first_divergence']}"
+        lines.append(f"| {r['compressor']} | {ratio} | {r['draft_tokens']} | {r['accept_length']:.2f} | "
+                     f"{r['accept_rate']:.0%} | {same} | {r['lossy_identical_share']:.0%} |")
+    report = {"model_path": args.model_path, "machine": machine(), "args": vars(args), "rows": rows}
+    write_results("acceptance", report, "\n".join(lines))
+    plot(rows, 4.0 if 4.0 in args.ratios else args.ratios[0], RESULTS / "acceptance.png")
+    print(f"wrote {RESULTS / 'acceptance.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""What the benchmarks share: code prompts from held-out stdlib files, an in-process runner that
+drives the scheduler in any KV mode, the machine's description, and result writers."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import platform
+import sysconfig
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> str:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def heldout_files(model_path: str = default_model_path()) -> list[Path]:
+    """The bundled model's held-out stdlib files (its corpus manifest), as found on this machine."""
+    manifest = json.loads((Path(model_path) / "corpus_manifest.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rels = [f["path"] for f in manifest["heldout"]["files"]]
+    return [stdlib / r for r in rels if (stdlib / r).exists()]
+
+
+@dataclass(frozen=True)
+class CodePrompt:
+    ids: list[int]
+    header: str  # the function's header as it stands in the file (original indentation)
+
+
+def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
+                 model_path: str = default_model_path()) -> list[CodePrompt]:
+    """n prompts of [min_tokens, max_tokens] tokens: the source of a held-out file up to and
+    including one of its function headers (signature + docstring), so the model writes the body.
+    One prompt per file, from files in manifest order: deterministic."""
+    prompts = []
+    for path in heldout_files(model_path):
+        text = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        nodes = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in sorted(nodes, key=lambda x: x.lineno):
+            if node.decorator_list or len(node.body) < 2 or ast.get_docstring(node, clean=False) is None:
+                continue
+            end = node.body[0].end_lineno
+            ids = tokenizer("".join(lines[:end])).input_ids
+            if len(ids) < min_tokens:
+                continue
+            prompts.append(CodePrompt(ids[-max_tokens:], "".join(lines[node.lineno - 1 : end])))
+            break
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def function_parses(header: str, completion: str) -> bool:
+    """Whether header + completion, cut where the body ends (the first non-empty line indented no
+    deeper than the def), is a function that ast.parse accepts."""
+    indent = len(header) - len(header.lstrip())
+    kept = []
+    for line in completion.split("\n"):
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        kept.append(line)
+    try:
+        ast.parse(textwrap.dedent(header + "\n".join(kept)))
+    except SyntaxError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]]
+    seconds: float
+    metrics: dict
+
+
+def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None,
+             **server) -> RunResult:
+    """All prompts at once through an in-process scheduler in the given mode; greedy by default."""
+    args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, **server)
+    sched = Scheduler(args)
+    sampling = sampling or {"temperature": 0.0}
+    reqs = [make_request(f"p{i}", ids, max_new_tokens=max_new_tokens, **sampling) for i, ids in enumerate(prompts)]
+    t0 = time.perf_counter()
+    res = run_to_completion(sched, reqs)
+    seconds = time.perf_counter() - t0
+    m = sched.metrics
+    metrics = {
+        "spec_rounds": m.spec_rounds_total,
+        "spec_drafted": m.spec_drafted_total,
+        "spec_accepted": m.spec_accepted_total,
+        "retracted": m.num_retracted_total,
+    }
+    return RunResult([res[f"p{i}"].output_ids for i in range(len(prompts))], seconds, metrics)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def write_results(name: str, report: dict, table: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {RESULTS / name}.json and .md")

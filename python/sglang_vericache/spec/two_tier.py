@@ -1,0 +1,190 @@
+"""TwoTierKV: the compressed tier beside the exact one, and folding exact pages into it.
+
+Per request (two-tier modes), on top of the exact-tier invariant in Req:
+  comp_indices  chunk ids of pages [0, C); C * page_size <= kv_committed_len.
+  q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
+                (only for query-scored compressors: snapkv, pyramidkv, h2o).
+A page is folded (compressed) as soon as its exact KV is committed, so the exact tail that
+drafting reads, positions [C*ps, kv_committed_len), is always shorter than a page.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang_vericache.compress.base import CompressorConfig
+from sglang_vericache.compress.registry import get_compressor
+from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages
+from sglang_vericache.server_args import parse_bytes
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMP_CHUNKS = 4096
+
+
+class TwoTierKV:
+    def __init__(self, scheduler: Scheduler):
+        s = scheduler
+        args, mc = s.server_args, s.model_runner.model_config
+        self.s = s
+        self.page_size = s.page_size
+        cfg = CompressorConfig.from_model_config(
+            args.kv_compressor, args.kv_compression_ratio, s.page_size, mc
+        )
+        self.compressor = get_compressor(args.kv_compressor, cfg)
+        n_layers = mc.num_hidden_layers
+        if args.device_kv_budget is not None:
+            budget = parse_bytes(args.device_kv_budget, "--device-kv-budget")
+            num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, budget)
+        else:
+            num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * s.max_total_num_tokens // s.page_size)
+        if num_chunks < 1:
+            raise ValueError("--device-kv-budget is too small for one compressed chunk")
+        self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=s.model_runner.device)
+        self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
+        self.needs_queries = any(w > 0 for w in self.windows)
+        logger.info(
+            "compressed tier: %s, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
+            args.kv_compressor, num_chunks, s.page_size, self.pool.size_bytes() / 2**20,
+            self.compressor.effective_ratio(),
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    def record_queries(self, req: Req, captured: dict, rows: slice, n_keep: int | None = None) -> None:
+        """Appends this pass's queries of req (rows of the flattened batch) to its history."""
+        if not self.needs_queries:
+            return
+        for layer, q in captured.items():
+            new = q[rows] if n_keep is None else q[rows][:n_keep]
+            old = req.q_hist.get(layer)
+            req.q_hist[layer] = new if old is None else torch.cat([old, new])
+
+    # ------------------------------------------------------------------ folding
+
+    def fold(self, req: Req) -> bool:
+        """Compresses every whole committed page past comp_indices. False if the pool is full."""
+        ps = self.page_size
+        c = len(req.comp_indices)
+        p = req.kv_committed_len // ps
+        if p <= c:
+            return True
+        ids = self.alloc_chunks(p - c)
+        if ids is None:
+            return False
+        slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, c * ps : p * ps]
+        queries = None
+        if self.needs_queries:
+            queries = []
+            for layer, w in enumerate(self.windows):
+                if w == 0:
+                    queries.append(None)
+                    continue
+                hist = req.q_hist[layer][: (p - c) * ps].unflatten(0, (p - c, ps))  # [n, T, H_q*D]
+                q = hist[:, ps - w :].unflatten(-1, (-1, self.compressor.config.head_dim))
+                queries.append(q)
+            for layer in list(req.q_hist):
+                req.q_hist[layer] = req.q_hist[layer][(p - c) * ps :]
+        positions = torch.arange(c * ps, p * ps, dtype=torch.int64)
+        compress_pages(self.compressor, self.s.model_runner.token_to_kv_pool, self.pool, slots, ids,
+                       positions=positions, queries=queries)
+        req.comp_indices = torch.cat([req.comp_indices, ids])
+        return True
+
+    def alloc_chunks(self, n: int) -> torch.Tensor | None:
+        short = n - self.pool.available_chunks()
+        if short > 0:
+            self.s.tree_cache.evict_compressed(short)
+        return self.pool.alloc(n)
+
+    def rebuild(self, req: Req, upto_tokens: int) -> bool:
+        """Rebuilds compressed chunks of pages the tree has exact KV for but no comp (query-free
+        compressors only); the request then owns them."""
+        req_committed = req.kv_committed_len
+        req.kv_committed_len = upto_tokens
+        try:
+            return self.fold(req)
+        finally:
+            req.kv_committed_len = req_committed
+
+    # ------------------------------------------------------------------ admission and memory
+
+    def usable_match(self, match):
+        """Query-scored compressors cannot rebuild chunks from exact KV alone: their usable exact
+        prefix ends where the compressed one does (the rest is recomputed)."""
+        if not self.needs_queries or match.comp_len >= len(match.device_indices):
+            return match
+        return type(match)(
+            device_indices=match.device_indices[: match.comp_len],
+            last_node=match.last_node,
+            comp_indices=match.comp_indices,
+            page_size=match.page_size,
+        )
+
+    def can_admit(self, req: Req, match, n: int, batch: list) -> bool:
+        """Whether the compressed tier can take req's prompt pages, on top of the pages the
+        batch and the chunked prefill still need and a page per running request."""
+        ps = self.page_size
+        s = self.s
+
+        def pages_left(r: Req, have: int) -> int:
+            return max(0, r.prefill_target_len() // ps - have)
+
+        need = pages_left(req, len(match.comp_indices))
+        need += sum(pages_left(r, len(r.comp_indices)) for r, _ in batch)
+        if s.chunked_req is not None and all(r is not s.chunked_req for r, _ in batch):
+            need += pages_left(s.chunked_req, len(s.chunked_req.comp_indices))
+        need += len(s.running) * (1 + (s.server_args.max_draft_tokens + ps - 1) // ps)
+        return need <= self.pool.available_chunks() + s.tree_cache.comp_evictable_chunks()
+
+    def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
+        """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
+        ps = self.page_size
+        need = sum(max(0, (r.kv_committed_len + new_tokens(r)) // ps - len(r.comp_indices)) for r in running)
+        short = need - self.pool.available_chunks()
+        if short > 0:
+            self.s.tree_cache.evict_compressed(short)
+        return need <= self.pool.available_chunks()
+
+    # ------------------------------------------------------------------ drafting context
+
+    def draft_context(self, reqs: list[Req], draft_pool=None, draft_slots=None, new_kv: str = "draft"):
+        from sglang_vericache.model_executor.forward_batch import DraftContext
+
+        ps = self.page_size
+        extra = 1 if new_kv == "exact" else 0  # lossy: the tail includes the new token
+        return DraftContext(
+            compressed_pool=self.pool,
+            comp_ids=[r.comp_indices for r in reqs],
+            tail_lens=[r.kv_committed_len + extra - len(r.comp_indices) * ps for r in reqs],
+            draft_pool=draft_pool,
+            draft_slots=draft_slots,
+            new_kv=new_kv,
+        )
+
+    def lossy_step(self, reqs: list[Req]) -> None:
+        """One decode step from the compressed tier alone (the baseline VeriCache must beat):
+        the new token's KV joins the tail and is folded like exact KV."""
+        from sglang_vericache.model_executor.forward_batch import ForwardMode
+
+        s = self.s
+        out_loc = [s.alloc_slots(r, 1) for r in reqs]
+        fb = s.make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in reqs],
+                                  [r.output_ids[-1] for r in reqs], [r.seqlen - 1 for r in reqs],
+                                  torch.cat(out_loc))
+        fb.draft_ctx = self.draft_context(reqs, new_kv="exact")
+        fb.captured_q = {} if self.needs_queries else None
+        logits = s.model_runner.forward(fb)
+        for i, r in enumerate(reqs):
+            r.kv_committed_len += 1
+            if fb.captured_q is not None:
+                self.record_queries(r, fb.captured_q, slice(i, i + 1))
+            self.fold(r)
+        s.sample_and_append(reqs, logits)
