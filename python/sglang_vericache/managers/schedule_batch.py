@@ -61,6 +61,9 @@ class Req:
     comp_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     comp_prefix_len: int = 0
     q_hist: dict = field(default_factory=dict)
+    # VeriCache: this round's drafts and how many it aims for.
+    drafts: list[int] = field(default_factory=list)
+    draft_target: int = 0
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReqInput) -> Req:
@@ -120,6 +123,8 @@ class Req:
         self.comp_indices = _EMPTY
         self.comp_prefix_len = 0
         self.q_hist = {}
+        self.drafts = []
+        self.draft_target = 0
         self.num_retractions += 1
 
     # ------------------------------------------------------------------ finish checks

@@ -1,17 +1,21 @@
 """VeriCacheWorker: draft over the compressed tier, verify over the exact tier, emit exactly.
 
-One round for a batch of running requests (ARCHITECTURE.md section 3). For each request,
-committed tokens t_1..t_n with exact KV for positions [0, n-1):
-  draft   x steps of DRAFT_DECODE: feed t_n, d_1, ... at positions n-1, n, ...; attention reads
-          the compressed chunks + the exact tail + this round's draft KV (a scratch pool).
-  verify  one TARGET_VERIFY pass of [t_n, d_1..d_x] over the exact tier; its exact KV goes to
-          freshly allocated exact slots for positions n-1..n-1+x.
-  accept  j = longest prefix of drafts equal to the verifier's choices; emit d_1..d_j, p_j,
-          cut at the first stop condition (m tokens emitted).
-  commit  positions n-1..n-2+m keep their exact KV (kv_committed_len += m); slots past that are
-          released; whole committed pages fold into the compressed tier.
+One round of a request (ARCHITECTURE.md section 3), committed tokens t_1..t_n, exact KV for
+positions [0, n-1):
+  draft   x DRAFT_DECODE steps: feed t_n, d_1, ... at positions n-1, n, ...; attention reads
+          the compressed chunks + the exact tail + this round's draft KV (a scratch pool);
+  verify  one TARGET_VERIFY pass of [t_n, d_1..d_x] over the exact tier, whose exact KV goes to
+          fresh exact slots of positions n-1..n-1+x;
+  accept  j = longest prefix of drafts equal to the verifier's choices; emit d_1..d_j, p_j, cut
+          at the first stop condition (m tokens emitted);
+  commit  positions n-1..n-2+m keep their exact KV (kv_committed_len += m), the slots past them
+          are released, and whole committed pages fold into the compressed tier.
 Drafter and verifier sample each position with the same counter-based noise, so a seeded
 request emits exactly what full mode emits.
+
+`run_round` runs rounds in lock-step (everyone drafts, then everyone verifies). The building
+blocks (draft_inputs/after_draft, verify_inputs/after_verify) are shared with the staggered
+schedule, which mixes drafting and verifying requests in one forward.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
-from sglang_vericache.model_executor.forward_batch import DraftContext, ForwardMode
+from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
 from sglang_vericache.spec.acceptance import DraftLengthPolicy, accepted_length
 
@@ -50,41 +54,30 @@ class VeriCacheWorker:
             device=s.model_runner.device,
         )
 
-    # ------------------------------------------------------------------ one round
+    # ------------------------------------------------------------------ lock-step rounds
 
     def run_round(self, reqs: list[Req]) -> None:
-        s = self.s
-        xs = [self.draft_len(r) for r in reqs]
-        t0 = time.perf_counter()
-        drafts = self.draft(reqs, xs)
-        t1 = time.perf_counter()
-        # Exact slots for the verify pass; the scheduler made room before calling us.
-        out_loc = []
-        for req, d in zip(reqs, drafts):
-            slots = s.alloc_slots(req, len(d) + 1)
-            assert slots is not None, "verify slots: the scheduler must reserve them before a round"
-            out_loc.append(slots)
-        logits, captured = self.verify(reqs, drafts, torch.cat(out_loc))
-        targets, logprobs, tops = self.sample_targets(reqs, drafts, logits)
-        t2 = time.perf_counter()
-        row = 0
-        for req, d in zip(reqs, drafts):
-            n_rows = len(d) + 1
-            j = accepted_length(d, targets[row : row + n_rows])
-            emitted = d[:j] + [targets[row + j]]
-            m = s.append_tokens(req, emitted, logprobs[row : row + n_rows] if logprobs else None,
-                                tops, row)
-            if captured is not None:
-                s.two_tier.record_queries(req, captured, slice(row, row + n_rows), n_keep=m)
-            req.kv_committed_len += m
-            s.truncate_slots(req, req.kv_committed_len)
-            self.account(req, drafted=len(d), accepted=j, draft_s=(t1 - t0) / len(reqs),
-                         verify_s=(t2 - t1) / len(reqs))
-            row += n_rows
         for req in reqs:
-            if not req.finished:
-                s.two_tier.fold(req)
-        s.finish_round(reqs)
+            self.start_round(req)
+        t0 = time.perf_counter()
+        while True:
+            group = [r for r in reqs if self.is_drafting(r)]
+            if not group:
+                break
+            fb = self.draft_batch(group)
+            self.after_draft(group, self.s.model_runner.forward(fb))
+        t1 = time.perf_counter()
+        fb, captured = self.verify_batch(reqs)
+        logits = self.s.model_runner.forward(fb)
+        t2 = time.perf_counter()
+        self.after_verify(reqs, logits, captured, draft_s=(t1 - t0) / len(reqs), verify_s=(t2 - t1) / len(reqs))
+
+    def start_round(self, req: Req) -> None:
+        req.drafts = []
+        req.draft_target = self.draft_len(req)
+
+    def is_drafting(self, req: Req) -> bool:
+        return len(req.drafts) < req.draft_target and not self.draft_stopped(req)
 
     def draft_len(self, req: Req) -> int:
         ema = req.meta.get("_accept_ema")
@@ -92,6 +85,117 @@ class VeriCacheWorker:
             ema = req.meta["_accept_ema"] = self.policy.initial_state()
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
         return max(0, min(self.policy.next_len(ema), left - 1))
+
+    def draft_stopped(self, req: Req) -> bool:
+        """No use drafting past a draft that would end the request."""
+        d = req.drafts
+        if not d:
+            return False
+        sp = req.sampling_params
+        if len(req.output_ids) + len(d) < sp.min_new_tokens:
+            return False
+        return d[-1] in sp.stop_token_ids or (not sp.ignore_eos and d[-1] in self.s.eos_token_ids)
+
+    # ------------------------------------------------------------------ draft step
+
+    def draft_inputs(self, group: list[Req]):
+        """(batch items, input ids, positions, out slots in the draft pool, draft slots per req)."""
+        input_ids = [r.drafts[-1] if r.drafts else r.output_ids[-1] for r in group]
+        positions = [r.seqlen - 1 + len(r.drafts) for r in group]
+        draft_slots = [self.draft_slots(r, len(r.drafts) + 1) for r in group]
+        out_loc = torch.stack([ds[-1] for ds in draft_slots])
+        return [(r, 1) for r in group], input_ids, positions, out_loc, draft_slots
+
+    def draft_batch(self, group: list[Req]):
+        s = self.s
+        items, input_ids, positions, out_loc, draft_slots = self.draft_inputs(group)
+        fb = s.make_forward_batch(ForwardMode.DRAFT_DECODE, items, input_ids, positions, out_loc)
+        fb.draft_ctx = s.two_tier.draft_context(group, self.draft_pool, draft_slots)
+        return fb
+
+    def after_draft(self, group: list[Req], logits: torch.Tensor) -> None:
+        s = self.s
+        rows = [
+            SamplingRow(params=r.sampling_params, seed=r.seed, position=len(r.output_ids) + len(r.drafts),
+                        output_ids=r.output_ids + r.drafts, prompt_ids=r.origin_input_ids)
+            for r in group
+        ]
+        info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
+        for r, tok in zip(group, s.sampler(logits, info).next_token_ids.tolist()):
+            r.drafts.append(tok)
+
+    def draft_slots(self, req: Req, n: int) -> torch.Tensor:
+        base = 1 + req.req_pool_idx * self.stride
+        return torch.arange(base, base + n, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ verify
+
+    def verify_inputs(self, group: list[Req]):
+        """(batch items, input ids, positions, fresh exact slots) for [t_n, drafts] of each request.
+        The scheduler made room for len(drafts)+1 slots per request before the round."""
+        items, input_ids, positions, out_loc = [], [], [], []
+        for req in group:
+            n = len(req.drafts) + 1
+            slots = self.s.alloc_slots(req, n)
+            assert slots is not None, "verify slots: the scheduler reserves them before a round"
+            items.append((req, n))
+            input_ids.extend([req.output_ids[-1]] + req.drafts)
+            positions.extend(range(req.seqlen - 1, req.seqlen - 1 + n))
+            out_loc.append(slots)
+        return items, input_ids, positions, torch.cat(out_loc)
+
+    def verify_batch(self, group: list[Req]):
+        s = self.s
+        items, input_ids, positions, out_loc = self.verify_inputs(group)
+        fb = s.make_forward_batch(ForwardMode.TARGET_VERIFY, items, input_ids, positions, out_loc)
+        fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
+        captured = {} if s.two_tier.needs_queries else None
+        fb.captured_q = captured
+        return fb, captured
+
+    def after_verify(self, group: list[Req], logits: torch.Tensor, captured: dict | None,
+                     draft_s: float = 0.0, verify_s: float = 0.0, q_row0: int = 0) -> None:
+        """Accepts, emits and commits each request's round; logits rows = [t_n, drafts] per request.
+        q_row0: the first verify token's row in `captured` (after any draft rows of a mixed batch)."""
+        s = self.s
+        targets, logprobs, tops = self.sample_targets(group, logits)
+        row = 0
+        for req in group:
+            d = req.drafts
+            n_rows = len(d) + 1
+            j = accepted_length(d, targets[row : row + n_rows])
+            emitted = d[:j] + [targets[row + j]]
+            m = s.append_tokens(req, emitted, logprobs[row : row + n_rows] if logprobs else None, tops, row)
+            if captured is not None:
+                s.two_tier.record_queries(req, captured, slice(q_row0 + row, q_row0 + row + n_rows), n_keep=m)
+            req.kv_committed_len += m
+            s.truncate_slots(req, req.kv_committed_len)
+            self.account(req, drafted=len(d), accepted=j, draft_s=draft_s, verify_s=verify_s)
+            req.drafts = []
+            row += n_rows
+        for req in group:
+            if not req.finished:
+                s.two_tier.fold(req)
+        s.finish_round(group)
+
+    def sample_targets(self, group: list[Req], logits: torch.Tensor):
+        s = self.s
+        rows = [
+            SamplingRow(params=r.sampling_params, seed=r.seed, position=len(r.output_ids) + i,
+                        output_ids=r.output_ids + r.drafts[:i], prompt_ids=r.origin_input_ids)
+            for r in group
+            for i in range(len(r.drafts) + 1)
+        ]
+        info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
+        want_lp = any(r.return_logprob for r in group)
+        top_n = max((r.top_logprobs_num for r in group if r.return_logprob), default=0)
+        out = s.sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
+        lps = out.logprobs.tolist() if want_lp else None
+        tops = None
+        if top_n:
+            vals, idx = out.top_logprobs
+            tops = (vals.tolist(), idx.tolist())
+        return out.next_token_ids.tolist(), lps, tops
 
     def account(self, req: Req, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         m = req.meta
@@ -104,81 +208,3 @@ class VeriCacheWorker:
         # Tokens emitted per round: accepted drafts + the verifier's token.
         m["spec_accept_length"] = (m["spec_accepted_tokens"] + m["spec_rounds"]) / m["spec_rounds"]
         self.s.metrics.on_spec_round(drafted, accepted)
-
-    # ------------------------------------------------------------------ draft
-
-    def draft(self, reqs: list[Req], xs: list[int]) -> list[list[int]]:
-        s = self.s
-        drafts: list[list[int]] = [[] for _ in reqs]
-        for step in range(max(xs, default=0)):
-            active = [i for i, x in enumerate(reqs) if step < xs[i] and not self.draft_stopped(reqs[i], drafts[i])]
-            if not active:
-                break
-            batch = [reqs[i] for i in active]
-            input_ids = [drafts[i][-1] if step else reqs[i].output_ids[-1] for i in active]
-            positions = [reqs[i].seqlen - 1 + step for i in active]
-            draft_slots = [self.draft_slots(reqs[i], step + 1) for i in active]
-            out_loc = torch.stack([ds[-1] for ds in draft_slots])
-            fb = s.make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in batch], input_ids, positions,
-                                      out_loc)
-            fb.draft_ctx = s.two_tier.draft_context(batch, self.draft_pool, draft_slots)
-            logits = s.model_runner.forward(fb)
-            rows = [
-                SamplingRow(params=reqs[i].sampling_params, seed=reqs[i].seed,
-                            position=len(reqs[i].output_ids) + step,
-                            output_ids=reqs[i].output_ids + drafts[i], prompt_ids=reqs[i].origin_input_ids)
-                for i in active
-            ]
-            info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
-            for i, tok in zip(active, s.sampler(logits, info).next_token_ids.tolist()):
-                drafts[i].append(tok)
-        return drafts
-
-    def draft_slots(self, req: Req, n: int) -> torch.Tensor:
-        base = 1 + req.req_pool_idx * self.stride
-        return torch.arange(base, base + n, dtype=torch.int64)
-
-    def draft_stopped(self, req: Req, d: list[int]) -> bool:
-        """No use drafting past a draft that would end the request."""
-        if not d:
-            return False
-        sp = req.sampling_params
-        if len(req.output_ids) + len(d) < sp.min_new_tokens:
-            return False
-        return d[-1] in sp.stop_token_ids or (not sp.ignore_eos and d[-1] in self.s.eos_token_ids)
-
-    # ------------------------------------------------------------------ verify
-
-    def verify(self, reqs: list[Req], drafts: list[list[int]], out_loc: torch.Tensor):
-        s = self.s
-        batch, input_ids, positions = [], [], []
-        for req, d in zip(reqs, drafts):
-            n = len(d) + 1
-            batch.append((req, n))
-            input_ids.extend([req.output_ids[-1]] + d)
-            start = req.seqlen - 1
-            positions.extend(range(start, start + n))
-        fb = s.make_forward_batch(ForwardMode.TARGET_VERIFY, batch, input_ids, positions, out_loc)
-        fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
-        captured = {} if s.two_tier.needs_queries else None
-        fb.captured_q = captured
-        return s.model_runner.forward(fb), captured
-
-    def sample_targets(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
-        s = self.s
-        rows = []
-        for req, d in zip(reqs, drafts):
-            for i in range(len(d) + 1):
-                rows.append(SamplingRow(params=req.sampling_params, seed=req.seed,
-                                        position=len(req.output_ids) + i,
-                                        output_ids=req.output_ids + d[:i], prompt_ids=req.origin_input_ids))
-        info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
-        want_lp = any(r.return_logprob for r in reqs)
-        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        out = s.sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
-        lps = out.logprobs.tolist() if want_lp else None
-        tops = None
-        if top_n:
-            vals, idx = out.top_logprobs
-            tops = (vals.tolist(), idx.tolist())
-        return out.next_token_ids.tolist(), lps, tops
