@@ -84,12 +84,13 @@ class CompressedKVPool:
         assert chunk.batch_shape(layout) == (len(ids),), f"{chunk.batch_shape(layout)=} for {len(ids)} ids"
         ids = ids.to(self.device)
         for name, buf in self.buffers[layer_id].items():
-            buf[ids] = chunk[name].to(self.device)
+            buf.index_copy_(0, ids, chunk[name].to(self.device))
 
     def read(self, layer_id: int, ids: torch.Tensor) -> CompressedChunk:
         """The chunks under ids (a copy), batched with leading dim len(ids), in the order of ids."""
         ids = ids.to(self.device)
-        return CompressedChunk({name: buf[ids] for name, buf in self.buffers[layer_id].items()})
+        # index_select: advanced indexing of int8/uint8 buffers is ~20x slower on CPU.
+        return CompressedChunk({name: buf.index_select(0, ids) for name, buf in self.buffers[layer_id].items()})
 
     def decompress(self, layer_id: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (k, v), each [len(ids) * rows_l, H_kv, D]: the rows of chunk ids[0], then

@@ -9,6 +9,11 @@ new tokens' KV is written to `out_cache_loc` (which the scheduler has also writt
 
 DRAFT_DECODE (drafting over the compressed tier, and lossy mode) is the exception: one new token
 per request, whose context is not `req_to_token[:, :seq_len]` but what `draft_ctx` describes.
+
+Staged rows (`staged` set: streamed verification, the naive-offload baseline) are the other
+exception: their context positions [0, extend_prefix_lens[i]) are read from a StagedKV (exact KV
+streamed from the host pool layer by layer), not from the pool; their new tokens' KV is still
+written to the pool at out_cache_loc. MIXED = DRAFT_DECODE rows first, then staged rows.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
+    from sglang_vericache.mem_cache.kv_stager import StagedKV
     from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 
 
@@ -31,12 +37,18 @@ class ForwardMode(IntEnum):
     # one new token per request over ForwardBatch.draft_ctx (compressed + exact tail + drafts);
     # not is_decode(): its context is not req_to_token[:, :seq_len]
     DRAFT_DECODE = auto()
+    # staggering: the first num_draft requests are DRAFT_DECODE rows (draft_ctx), the rest are staged
+    # rows (staged: any number of new tokens each, causal, over streamed exact KV); see ForwardBatch
+    MIXED = auto()
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
     def is_draft_decode(self) -> bool:
         return self == ForwardMode.DRAFT_DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
@@ -94,6 +106,36 @@ class DraftContext:
 
 
 @dataclass
+class StagedVerify:
+    """The context of a batch's staged rows: requests whose committed exact KV streams from the host
+    pool through a StagedKV instead of being read from the pool.
+
+    Staged request i (batch row num_draft + i) has kv rows [offsets[i], offsets[i] + prefix_lens[i])
+    = the exact KV of its positions [0, prefix_lens[i]) in position order (the caller begins the
+    StagedKV with those requests' req_to_token[:prefix_len] slots concatenated request by request).
+    Its new tokens (extend_seq_lens[row] >= 1, at positions prefix_lens[i]..) attend causally to
+    [those rows, the new tokens' own K/V]; prefix_lens[i] must equal extend_prefix_lens[row].
+    The backend calls kv.layer(l) right before layer l's staged attention and kv.release(l) right
+    after it, so every layer of kv is consumed by exactly one forward.
+    """
+
+    kv: StagedKV
+    offsets: list[int]
+    prefix_lens: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.prefix_lens):
+            raise ValueError(f"{len(self.offsets)} offsets for {len(self.prefix_lens)} prefix_lens")
+        for o, p in zip(self.offsets, self.prefix_lens):
+            if o < 0 or p < 0 or o + p > self.kv.num_tokens:
+                raise ValueError(f"staged rows [{o}, {o + p}) outside the StagedKV's {self.kv.num_tokens} rows")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
     batch_size: int
@@ -111,8 +153,11 @@ class ForwardBatch:
     # Which rows of the flattened hidden states need logits (e.g. each request's last token,
     # or every token of a verify run, or input-logprob ranges). None = each request's last token.
     logits_indices: torch.Tensor | None = None
-    # DRAFT_DECODE only: what each request attends to (see DraftContext).
+    # DRAFT_DECODE, and the draft rows of MIXED: what each request attends to (see DraftContext).
     draft_ctx: DraftContext | None = None
+    # Staged rows (all rows of a DECODE / TARGET_VERIFY / EXTEND batch, or the rows after the draft
+    # rows of MIXED): their context streams from a StagedKV (see StagedVerify).
+    staged: StagedVerify | None = None
     # When a dict, each attention layer stores its post-RoPE queries [num_tokens, H_q*D] under its
     # layer id (query-scored compressors need them to compress a chunk).
     captured_q: dict | None = None
@@ -124,6 +169,15 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_draft(self) -> int:
+        """Requests (= tokens) in rows [0, num_draft) that are DRAFT_DECODE rows."""
+        if self.forward_mode.is_draft_decode():
+            return self.batch_size
+        if self.forward_mode.is_mixed() and self.draft_ctx is not None:
+            return len(self.draft_ctx.comp_ids)
+        return 0
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.cumsum(self.extend_seq_lens, 0) - 1

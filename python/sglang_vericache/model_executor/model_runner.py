@@ -7,7 +7,9 @@ import logging
 import torch
 
 from sglang_vericache.layers.attention.registry import create_attention_backend
+from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from sglang_vericache.mem_cache.transfer_engine import TransferEngine
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
 from sglang_vericache.model_loader.loader import load_model
@@ -68,22 +70,40 @@ class ModelRunner:
             self.max_total_num_tokens, num_pages, ps, self.max_total_num_tokens * bytes_per_token / 2**20,
         )
 
+    def init_kv_stager(self, max_tokens: int, depth: int = 2) -> LayerwiseKVStager:
+        """The transfer engine (throttled to --link-bandwidth) and a layer-wise stager over the exact
+        pool (the host tier) for streamed verification: self.transfer_engine, self.kv_stager."""
+        bw = self.server_args.link_bandwidth
+        bandwidth = None if bw is None else float(parse_bytes(bw, "--link-bandwidth"))
+        if getattr(self, "transfer_engine", None) is None:
+            self.transfer_engine = TransferEngine(bandwidth, self.device)
+        self.kv_stager = LayerwiseKVStager(self.token_to_kv_pool, self.transfer_engine, max_tokens, depth)
+        return self.kv_stager
+
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """-> float32 logits [n_rows, vocab] for the rows in forward_batch.logits_indices
         (None: each request's last token; in DECODE and DRAFT_DECODE, row i = request i).
-        A DRAFT_DECODE batch brings its own draft_ctx (compressed pool, tail, draft pool)."""
+        Rows index the batch's tokens in batch order: request by request, and in a MIXED batch the
+        num_draft draft rows (one token each) first, then each staged request's new tokens.
+        A DRAFT_DECODE / MIXED batch brings its own draft_ctx (compressed pool, tail, draft pool); a
+        batch with `staged` brings a begun StagedKV, which this forward consumes (every layer is
+        released; on an error the StagedKV is closed, so the stager is free again either way)."""
         fb = forward_batch
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
-        with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model.forward(fb.input_ids, fb.positions, fb)
-            rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
-            one_row_each = fb.forward_mode.is_decode() or fb.forward_mode.is_draft_decode()
-            if not (one_row_each and fb.logits_indices is None):
-                hidden = hidden.index_select(0, rows.to(hidden.device))
-            return self.model.compute_logits(hidden)
+        try:
+            with torch.inference_mode():
+                self.attn_backend.init_forward_metadata(fb)
+                hidden = self.model.forward(fb.input_ids, fb.positions, fb)
+                rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
+                one_row_each = fb.forward_mode.is_decode() or fb.forward_mode.is_draft_decode()
+                if not (one_row_each and fb.logits_indices is None):
+                    hidden = hidden.index_select(0, rows.to(hidden.device))
+                return self.model.compute_logits(hidden)
+        finally:
+            if fb.staged is not None and not fb.staged.kv.finished:
+                fb.staged.kv.close()
 
 
 def _available_memory(device: str) -> int:

@@ -81,17 +81,23 @@ def build_draft_metadata(fb: ForwardBatch) -> DraftMetadata:
     assert ctx is not None, "a DRAFT_DECODE ForwardBatch needs draft_ctx"
     bs = fb.batch_size
     assert len(ctx.comp_ids) == bs and fb.num_tokens == bs, "DRAFT_DECODE: one new token per request"
-    dev = fb.input_ids.device
+    return draft_metadata_for(ctx, fb.req_pool_indices, fb.req_to_token_pool.req_to_token, fb.input_ids.device)
+
+
+def draft_metadata_for(
+    ctx: DraftContext, req_pool_indices: torch.Tensor, r2t: torch.Tensor, dev: torch.device
+) -> DraftMetadata:
+    """The metadata of the draft rows described by ctx (request i = req_pool_indices[i])."""
+    bs = len(ctx.comp_ids)
     chunk_ids, chunk_valid = _pad([ids.to(dev, torch.int64) for ids in ctx.comp_ids], dev)
 
     # exact tail: req_to_token[req, start : start + len], gathered from the flattened table
-    r2t = fb.req_to_token_pool.req_to_token
     starts = torch.tensor(ctx.tail_starts(), dtype=torch.int64, device=dev)
     lens = torch.tensor(ctx.tail_lens, dtype=torch.int64, device=dev)
     max_t = max(ctx.tail_lens)
     j = torch.arange(max_t, device=dev)[None, :]
     tail_valid = j < lens[:, None]
-    flat = fb.req_pool_indices.to(dev)[:, None] * r2t.shape[1] + starts[:, None] + j
+    flat = req_pool_indices.to(dev)[:, None] * r2t.shape[1] + starts[:, None] + j
     tail_index = torch.where(tail_valid, r2t.view(-1)[torch.where(tail_valid, flat, 0)], 0)
 
     draft_index = draft_valid = None

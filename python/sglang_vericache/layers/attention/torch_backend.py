@@ -18,6 +18,13 @@ one gather per context part (compressed rows, exact tail, draft rows) into a pad
 [B, S_c + S_t + S_d] context, one mask, one SDPA for the batch. Token-drop chunks are gathered
 as stored (exact dtype); quantized chunks are dequantized per layer per forward through
 CompressedKVPool.decompress (each distinct chunk once).
+
+Staged rows (ForwardBatch.staged: streamed verification, naive offload) use StagedMetadata: the
+padded layout above, but each request's keys are assembled as [its rows of the StagedKV | its new
+tokens' K/V] (the same [B, S] order as the pool layout, so results match it exactly); layer l's
+StagedKV rows are taken right before its attention and released as soon as they are copied out.
+A batch with staged rows, or a MIXED batch, gets MixedMetadata: draft rows first (DraftMetadata),
+then staged rows; linear layers see all tokens at once, attention runs per group.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from sglang_vericache.layers.attention.base import AttentionBackend
-from sglang_vericache.layers.attention.draft_metadata import DraftMetadata, build_draft_metadata
+from sglang_vericache.layers.attention.draft_metadata import (
+    DraftMetadata,
+    build_draft_metadata,
+    draft_metadata_for,
+)
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.radix_attention import RadixAttention
@@ -47,6 +58,33 @@ class PaddedMetadata:
     q_index: torch.Tensor | None  # [B*Lq] token row of each padded query (None: identity)
     out_index: torch.Tensor | None  # [T] padded row of each real token (None: identity)
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # group size -> SDPA mask
+
+
+@dataclass
+class StagedMetadata:
+    """Padded layout of the staged rows: request i's keys are row-major [B, S] =
+    [StagedKV rows offsets[i] .. + prefix_lens[i] | its ext_lens[i] new tokens | zeros]."""
+
+    batch_size: int
+    q_len: int  # Lq = max new tokens
+    kv_len: int  # S = max(prefix + new)
+    offsets: list[int]
+    prefix_lens: list[int]
+    ext_lens: list[int]
+    q_starts: list[int]  # first new-token row of request i within the staged group
+    allowed: torch.Tensor | None  # [B, Lq, S] bool; None = every key visible
+    q_index: torch.Tensor | None
+    out_index: torch.Tensor | None
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class MixedMetadata:
+    """Rows [0, num_draft) are draft rows (one token each), the remaining tokens staged rows."""
+
+    num_draft: int
+    draft: DraftMetadata | None
+    staged: StagedMetadata | None
 
 
 @dataclass
@@ -100,6 +138,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.forward_mode.is_draft_decode():
             self.forward_metadata = build_draft_metadata(fb)
             return
+        if fb.forward_mode.is_mixed() or fb.staged is not None:
+            self.forward_metadata = self._mixed(fb)
+            return
         seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
         ext_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
         prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
@@ -136,6 +177,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             out_index = valid.flatten().nonzero().squeeze(1)
         return PaddedMetadata(fb.batch_size, max_q, kv_index, allowed, q_index, out_index)
 
+    def _mixed(self, fb: ForwardBatch) -> MixedMetadata:
+        nd, bs, dev = fb.num_draft, fb.batch_size, fb.input_ids.device
+        ext_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+        prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+        if fb.forward_mode.is_mixed() and fb.draft_ctx is None and fb.staged is None:
+            raise ValueError("a MIXED ForwardBatch needs draft_ctx (draft rows) and/or staged (staged rows)")
+        if any(e != 1 for e in ext_lens[:nd]):
+            raise ValueError("draft rows of a MIXED batch take exactly one new token each")
+        n_staged = 0 if fb.staged is None else fb.staged.batch_size
+        if nd + n_staged != bs:
+            raise ValueError(f"{nd} draft + {n_staged} staged requests != batch size {bs}")
+        draft = None
+        if nd:
+            r2t = fb.req_to_token_pool.req_to_token
+            draft = draft_metadata_for(fb.draft_ctx, fb.req_pool_indices[:nd], r2t, dev)
+        staged = None
+        if n_staged:
+            staged = _staged_metadata(fb.staged, ext_lens[nd:], prefix_lens[nd:], dev)
+        return MixedMetadata(nd, draft, staged)
+
     def _ragged(self, fb, req_to_token, seq_lens, ext_lens, prefix_lens) -> RaggedMetadata:
         dev = fb.input_ids.device
         pool_idx = fb.req_pool_indices.tolist()
@@ -166,8 +227,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
         md = self.forward_metadata
+        fb = forward_batch
         if isinstance(md, DraftMetadata):
-            return self._forward_draft(q, k, v, layer, forward_batch, md, save_kv_cache)
+            return self._forward_draft(q, k, v, layer, fb.draft_ctx, fb.token_to_kv_pool, fb.out_cache_loc, md,
+                                       save_kv_cache)
+        if isinstance(md, MixedMetadata):
+            return self._forward_mixed(q, k, v, layer, fb, md, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
             k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -185,14 +250,44 @@ class TorchNativeAttnBackend(AttentionBackend):
         ]
         return torch.cat(outs, 0)
 
-    def _forward_draft(self, q, k, v, layer, fb: ForwardBatch, md: DraftMetadata, save_kv_cache: bool):
-        """One query per request over [compressed rows | exact tail | draft rows] -> [B, H*Dv]."""
-        ctx, lid, bs = fb.draft_ctx, layer.layer_id, md.batch_size
+    def _forward_mixed(self, q, k, v, layer, fb: ForwardBatch, md: MixedMetadata, save_kv_cache: bool):
+        """Draft rows first (their attention overlaps the staged layer's copy), then staged rows."""
+        nd, outs = md.num_draft, []
+        if md.draft is not None:
+            outs.append(self._forward_draft(q[:nd], k[:nd], v[:nd], layer, fb.draft_ctx, fb.token_to_kv_pool,
+                                            fb.out_cache_loc[:nd], md.draft, save_kv_cache))
+        if md.staged is not None:
+            outs.append(self._forward_staged(q[nd:], k[nd:], v[nd:], layer, fb, md.staged, fb.out_cache_loc[nd:],
+                                             save_kv_cache))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _forward_staged(self, q, k, v, layer, fb: ForwardBatch, md: StagedMetadata, out_loc, save_kv_cache: bool):
+        """New tokens over [StagedKV rows | own K/V], causal -> [T, H*Dv]. The new K/V go to the pool."""
+        lid, t = layer.layer_id, q.shape[0]
         hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
-        exact = fb.token_to_kv_pool
+        k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, dv)
+        if save_kv_cache:  # the host tier keeps the exact KV of every verified token
+            fb.token_to_kv_pool.set_kv_buffer(lid, out_loc, k, v)
+        staged = fb.staged.kv
+        k_rows, v_rows = staged.layer(lid)
+        try:
+            keys = _staged_context(k_rows, k, md, q.dtype)  # [B, S, Hkv, D]
+            values = _staged_context(v_rows, v, md, q.dtype)
+        finally:
+            staged.release(lid)  # copied out: the ring slot can take layer lid + depth now
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
+        qp = q if md.q_index is None else q.index_select(0, md.q_index)
+        out = _grouped_sdpa(qp, keys, values, _sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len,
+                            layer)
+        return out if md.out_index is None else out.index_select(0, md.out_index)
+
+    def _forward_draft(self, q, k, v, layer, ctx, exact, out_loc, md: DraftMetadata, save_kv_cache: bool):
+        """One query per request over [compressed rows | exact tail | draft rows] -> [B, H*Dv]."""
+        lid, bs = layer.layer_id, md.batch_size
+        hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         if save_kv_cache:  # the new token's K/V first: it attends to itself
             pool = ctx.draft_pool if md.new_kv == "draft" else exact
-            pool.set_kv_buffer(lid, fb.out_cache_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
+            pool.set_kv_buffer(lid, out_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
         layout = ctx.compressed_pool.layouts[lid]
         ci = md.compressed_index(layout)
         # (K source, V source, position-major flat index) per part; sources are [rows, Hkv, D]
@@ -219,6 +314,42 @@ class TorchNativeAttnBackend(AttentionBackend):
         keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
         values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
         return _grouped_sdpa(q, keys, values, md.mask(layout), bs, 1, layer)
+
+
+def _staged_metadata(staged, ext_lens: list[int], prefix_lens: list[int], dev) -> StagedMetadata:
+    if list(staged.prefix_lens) != list(prefix_lens):
+        raise ValueError(f"staged.prefix_lens {staged.prefix_lens} != the rows' extend_prefix_lens {prefix_lens}")
+    if min(ext_lens) < 1:
+        raise ValueError("every staged row needs at least one new token")
+    bs = len(ext_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
+    max_q, max_s = max(ext_lens), max(seq_lens)
+    q_starts = [sum(ext_lens[:i]) for i in range(bs)]
+    allowed = None
+    if not (max_q == 1 and min(seq_lens) == max_s):  # as the pool layout: a decode batch of equal lengths
+        i64 = dict(dtype=torch.int64, device=dev)
+        allowed = _causal_mask(torch.tensor(prefix_lens, **i64), torch.tensor(seq_lens, **i64), max_q, max_s)
+    q_index = out_index = None
+    if any(e != max_q for e in ext_lens):
+        ext = torch.tensor(ext_lens, dtype=torch.int64, device=dev)
+        i = torch.arange(max_q, device=dev)[None, :]
+        valid = i < ext[:, None]
+        starts = torch.tensor(q_starts, dtype=torch.int64, device=dev)
+        q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
+        out_index = valid.flatten().nonzero().squeeze(1)
+    return StagedMetadata(bs, max_q, max_s, list(staged.offsets), list(prefix_lens), list(ext_lens), q_starts,
+                          allowed, q_index, out_index)
+
+
+def _staged_context(rows: torch.Tensor, new: torch.Tensor, md: StagedMetadata, dtype) -> torch.Tensor:
+    """[B, S, Hkv, D]: request i = [rows[o_i : o_i + p_i] | new[q_i : q_i + e_i] | zeros (masked)]."""
+    out = torch.empty((md.batch_size, md.kv_len, *new.shape[1:]), dtype=dtype, device=new.device)
+    for i, (o, p, e, qs) in enumerate(zip(md.offsets, md.prefix_lens, md.ext_lens, md.q_starts)):
+        out[i, :p] = rows[o : o + p]
+        out[i, p : p + e] = new[qs : qs + e]
+        if p + e < md.kv_len:
+            out[i, p + e :] = 0
+    return out
 
 
 def _attend(
