@@ -8,6 +8,7 @@ import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.spec.two_tier import TwoTierKV
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
@@ -32,7 +33,10 @@ def test_device_budget_sizes_the_compressed_tier_and_host_budget_the_exact(llama
     s = sched(llama, kv_compressor="kivi2", speculative_algorithm="VERICACHE",
               device_kv_budget="200KB", host_kv_budget="1MB")
     per_chunk = s.two_tier.pool.bytes_per_chunk()
-    assert s.two_tier.pool.num_chunks == 200_000 // per_chunk
+    # The device budget also holds the drafts' scratch KV (one row of X+1 slots per request row).
+    draft_scratch = (1 + s.req_to_token_pool.size * 17) * s.model_runner.token_to_kv_pool.bytes_per_token()
+    assert TwoTierKV.device_overhead_bytes(s) == draft_scratch
+    assert s.two_tier.pool.num_chunks == (200_000 - draft_scratch) // per_chunk
     exact_per_token = s.model_runner.token_to_kv_pool.bytes_per_token()
     assert s.max_total_num_tokens == 1_000_000 // exact_per_token // PS * PS
     info = s.ready_message().server_info

@@ -30,7 +30,8 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
-    # Output tokens per streaming event (SGLang's --stream-interval); the first token and the finish always go out.
+    # Output tokens per streaming event (SGLang's --stream-interval); the first token and the finish go
+    # out at once.
     stream_interval: int = 1
 
     # Memory and batching.
@@ -48,6 +49,10 @@ class ServerArgs:
     speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
     device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
     host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
+    vericache_schedule: str = "auto"  # lockstep | staggered | auto (staggered iff a link bandwidth is set)
+    verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
+    kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
+    link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
 
     # Sampling defaults.
     random_seed: int = 0
@@ -74,6 +79,19 @@ class ServerArgs:
         return "lossy" if self.kv_compressor else "full"
 
     @property
+    def staggered(self) -> bool:
+        if self.kv_mode != "vericache":
+            return False
+        if self.vericache_schedule == "auto":
+            return self.link_bandwidth is not None
+        return self.vericache_schedule == "staggered"
+
+    @property
+    def uses_link(self) -> bool:
+        """Whether exact KV is streamed from the host tier over a (possibly throttled) link."""
+        return self.kv_offload or (self.kv_mode == "vericache" and (self.link_bandwidth is not None or self.staggered))
+
+    @property
     def max_draft_tokens(self) -> int:
         return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
 
@@ -84,14 +102,22 @@ class ServerArgs:
             self.speculative_algorithm = "VERICACHE"
             if not self.kv_compressor:
                 raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
+        if self.vericache_schedule not in ("auto", "lockstep", "staggered"):
+            raise ValueError(f"--vericache-schedule must be auto, lockstep or staggered, got {self.vericache_schedule!r}")
+        if self.verify_staging_tokens < 1:
+            raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
+        if self.kv_offload and self.kv_mode != "full":
+            raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have tiers")
         x = self.speculative_num_draft_tokens
         if x != "auto" and not (str(x).isdigit() and 1 <= int(x) <= 64):
             raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {x!r}")
         if not self.kv_compression_ratio >= 1.0:
             raise ValueError(f"--kv-compression-ratio must be >= 1, got {self.kv_compression_ratio}")
-        for name in ("device_kv_budget", "host_kv_budget"):
+        for name in ("device_kv_budget", "host_kv_budget", "link_bandwidth"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), "--" + name.replace("_", "-"))
+        if self.link_bandwidth is not None and parse_bytes(self.link_bandwidth) <= 0:
+            raise ValueError(f"--link-bandwidth must be > 0 bytes/s, got {self.link_bandwidth!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.stream_interval < 1:
@@ -156,6 +182,19 @@ class ServerArgs:
                  "keep the compressed tier, exact tails and verification staging here.")
         add("--host-kv-budget", type=str, default=None,
             help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB).")
+        add("--link-bandwidth", type=str, default=None,
+            help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
+                 "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: unthrottled.")
+        add("--vericache-schedule", type=str, default=d["vericache_schedule"].default,
+            choices=("auto", "lockstep", "staggered"),
+            help="lockstep: all requests draft, then all verify; staggered: each iteration some verify while "
+                 "the rest draft, booked against link bandwidth and staging memory; auto: staggered when "
+                 "--link-bandwidth is set.")
+        add("--verify-staging-tokens", type=int, default=d["verify_staging_tokens"].default,
+            help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
+                 "accelerator; also the longest context a request may have when exact KV is streamed.")
+        add("--kv-offload", action="store_true",
+            help="Baseline: full mode with exact KV in host memory, streamed over the link at every step.")
         add("--random-seed", type=int, default=d["random_seed"].default,
             help="Seed for the server's random choices (seeds of unseeded requests).")
         add("--attention-backend", type=str, default=d["attention_backend"].default,

@@ -71,6 +71,15 @@ class Scheduler:
                 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 
                 self.spec_worker = VeriCacheWorker(self)
+        self.link = self.stagger = None
+        if server_args.uses_link:
+            from sglang_vericache.spec.link import Link
+
+            self.link = Link(self)
+        if server_args.staggered:
+            from sglang_vericache.spec.stagger import StaggeredVeriCache
+
+            self.stagger = StaggeredVeriCache(self)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -89,6 +98,8 @@ class Scheduler:
         self.prefill_adder = PrefillAdder(self)
         self.metrics = SchedulerMetrics()
         self.outbox: list[ReqOutput] = []
+        # Benchmarks set a list here to get (start, end, tag) of every model forward.
+        self.timeline: list[tuple[float, float, str]] | None = None
 
         self.recv_socket = self.send_socket = None
         if port_args is not None:
@@ -102,8 +113,12 @@ class Scheduler:
 
     @property
     def max_req_len(self) -> int:
-        """Longest prompt + output one request may reach: the context, and the pool less a page."""
-        return min(self.context_len, self.max_total_num_tokens - self.page_size)
+        """Longest prompt + output one request may reach: the context, the pool less a page, and
+        (when exact KV streams over a link) what one verification may stage."""
+        limit = min(self.context_len, self.max_total_num_tokens - self.page_size)
+        if self.server_args.uses_link:
+            limit = min(limit, self.server_args.verify_staging_tokens)
+        return limit
 
     def ready_message(self) -> SchedulerReady:
         mc = self.model_runner.model_config
@@ -266,6 +281,8 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         """Gives back a running request's KV (into the prefix cache, evictable) and requeues it first."""
+        if self.stagger is not None:
+            self.stagger.cancel(req)
         self.tree_cache.cache_finished_req(req)
         req.reset_for_retract()
         self.waiting_queue.appendleft(req)
@@ -274,6 +291,8 @@ class Scheduler:
 
     def release(self, req: Req) -> None:
         """A finished request: cache its KV in the radix tree, free the rest, report it."""
+        if self.stagger is not None:
+            self.stagger.cancel(req)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
         self.emit(req)
@@ -309,7 +328,7 @@ class Scheduler:
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
         if self.two_tier is not None and self.two_tier.needs_queries:
             fb.captured_q = {}
-        logits = self.model_runner.forward(fb)  # zero rows when only KV is wanted (a middle chunk)
+        logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
 
         to_sample = []
         token_row = 0
@@ -378,6 +397,9 @@ class Scheduler:
             self.retract(self.running.pop())
 
     def run_decode(self) -> None:
+        if self.stagger is not None:
+            self.stagger.step()
+            return
         if self.mode == "vericache":
             self.make_room(lambda r: self.spec_worker.draft_len(r) + 1)
             self.spec_worker.run_round(list(self.running))
@@ -386,7 +408,11 @@ class Scheduler:
         if self.mode == "lossy":
             self.two_tier.lossy_step(list(self.running))
             return
-        reqs = self.running
+        # Naive offload streams each group's whole exact context from the host at every step.
+        for reqs in [list(self.running)] if self.link is None else self.link.split(list(self.running)):
+            self.decode_step(reqs)
+
+    def decode_step(self, reqs: list[Req]) -> None:
         out_loc = []
         for req in reqs:
             slots = self.alloc_slots(req, 1)
@@ -396,15 +422,28 @@ class Scheduler:
         positions = [r.seqlen - 1 for r in reqs]
         batch = [(r, 1) for r in reqs]
         fb = self.make_forward_batch(ForwardMode.DECODE, batch, input_ids, positions, torch.cat(out_loc))
-        logits = self.model_runner.forward(fb)
+        if self.link is not None:
+            fb.staged = self.link.staged(reqs)
+        logits = self.forward(fb, "decode")
         for req in reqs:
             req.kv_committed_len += 1
-        self.sample_and_append(list(reqs), logits)
+        self.sample_and_append(reqs, logits)
 
     # ------------------------------------------------------------------ shared
 
-    def make_forward_batch(self, mode, batch, input_ids, positions, out_loc) -> ForwardBatch:
-        if mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
+    def forward(self, fb: ForwardBatch, tag: str) -> torch.Tensor:
+        """One model forward; with a timeline attached, its compute interval is recorded."""
+        if self.timeline is None:
+            return self.model_runner.forward(fb)
+        t0 = time.perf_counter()
+        logits = self.model_runner.forward(fb)
+        self.timeline.append((t0, time.perf_counter(), tag))
+        return logits
+
+    def make_forward_batch(self, mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
+        if prefix_lens is not None:
+            prefix = prefix_lens
+        elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
             prefix = list(positions)
         else:
             prefix = [r.kv_committed_len for r, _ in batch]

@@ -43,7 +43,8 @@ class ModelRunner:
         bytes_per_token *= torch.tensor([], dtype=self.dtype).element_size()
         # The exact pool is the accelerator's in full mode and the host tier in two-tier modes
         # (where the accelerator budget goes to the compressed tier instead).
-        exact_budget = args.device_kv_budget if args.kv_mode == "full" else args.host_kv_budget
+        on_device = args.kv_mode == "full" and not args.kv_offload
+        exact_budget = args.device_kv_budget if on_device else args.host_kv_budget
         if args.max_total_tokens is not None:
             max_tokens = args.max_total_tokens
         elif exact_budget is not None:

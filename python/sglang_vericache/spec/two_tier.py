@@ -41,8 +41,8 @@ class TwoTierKV:
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers
         if args.device_kv_budget is not None:
-            budget = parse_bytes(args.device_kv_budget, "--device-kv-budget")
-            num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, budget)
+            budget = parse_bytes(args.device_kv_budget, "--device-kv-budget") - self.device_overhead_bytes(s)
+            num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, max(budget, 0))
         else:
             num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * s.max_total_num_tokens // s.page_size)
         if num_chunks < 1:
@@ -55,6 +55,19 @@ class TwoTierKV:
             args.kv_compressor, num_chunks, s.page_size, self.pool.size_bytes() / 2**20,
             self.compressor.effective_ratio(),
         )
+
+    @staticmethod
+    def device_overhead_bytes(s: Scheduler) -> int:
+        """Accelerator KV memory besides the compressed tier: the drafts' scratch KV and the
+        double-buffered staging area of streamed verification."""
+        args = s.server_args
+        per_token = s.model_runner.token_to_kv_pool.bytes_per_token()  # all layers
+        total = 0
+        if args.kv_mode == "vericache":
+            total += (1 + s.req_to_token_pool.size * (args.max_draft_tokens + 1)) * per_token
+        if args.uses_link:
+            total += 2 * args.verify_staging_tokens * per_token // s.model_runner.model_config.num_hidden_layers
+        return total
 
     # ------------------------------------------------------------------ queries
 
@@ -181,7 +194,7 @@ class TwoTierKV:
                                   torch.cat(out_loc))
         fb.draft_ctx = self.draft_context(reqs, new_kv="exact")
         fb.captured_q = {} if self.needs_queries else None
-        logits = s.model_runner.forward(fb)
+        logits = s.forward(fb, "lossy")
         for i, r in enumerate(reqs):
             r.kv_committed_len += 1
             if fb.captured_q is not None:

@@ -65,12 +65,18 @@ class VeriCacheWorker:
             if not group:
                 break
             fb = self.draft_batch(group)
-            self.after_draft(group, self.s.model_runner.forward(fb))
+            self.after_draft(group, self.s.forward(fb, "draft"))
         t1 = time.perf_counter()
-        fb, captured = self.verify_batch(reqs)
-        logits = self.s.model_runner.forward(fb)
-        t2 = time.perf_counter()
-        self.after_verify(reqs, logits, captured, draft_s=(t1 - t0) / len(reqs), verify_s=(t2 - t1) / len(reqs))
+        link = self.s.link
+        # With a link, exact KV streams from the host tier in groups that fit the staging area.
+        for group in [reqs] if link is None else link.split(reqs):
+            t = time.perf_counter()
+            fb, captured = self.verify_batch(group)
+            if link is not None:
+                fb.staged = link.staged(group)
+            logits = self.s.forward(fb, "verify")
+            self.after_verify(group, logits, captured, draft_s=(t1 - t0) / len(reqs),
+                              verify_s=(time.perf_counter() - t) / len(group))
 
     def start_round(self, req: Req) -> None:
         req.drafts = []
