@@ -31,12 +31,12 @@ def ids(n, seed):
 
 def test_device_budget_sizes_the_compressed_tier_and_host_budget_the_exact(llama):
     s = sched(llama, kv_compressor="kivi2", speculative_algorithm="VERICACHE",
-              device_kv_budget="200KB", host_kv_budget="1MB")
+              device_kv_budget="2MB", host_kv_budget="1MB")
     per_chunk = s.two_tier.pool.bytes_per_chunk()
     # The device budget also holds the drafts' scratch KV (one row of X+1 slots per request row).
     draft_scratch = (1 + s.req_to_token_pool.size * 17) * s.model_runner.token_to_kv_pool.bytes_per_token()
     assert TwoTierKV.device_overhead_bytes(s) == draft_scratch
-    assert s.two_tier.pool.num_chunks == (200_000 - draft_scratch) // per_chunk
+    assert s.two_tier.pool.num_chunks == (2_000_000 - draft_scratch) // per_chunk
     exact_per_token = s.model_runner.token_to_kv_pool.bytes_per_token()
     assert s.max_total_num_tokens == 1_000_000 // exact_per_token // PS * PS
     info = s.ready_message().server_info
