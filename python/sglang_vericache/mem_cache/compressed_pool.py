@@ -84,13 +84,16 @@ class CompressedKVPool:
         assert chunk.batch_shape(layout) == (len(ids),), f"{chunk.batch_shape(layout)=} for {len(ids)} ids"
         ids = ids.to(self.device)
         for name, buf in self.buffers[layer_id].items():
-            buf.index_copy_(0, ids, chunk[name].to(self.device))
+            src = chunk[name].to(self.device)
+            if buf.element_size() == 1:  # CPU index_copy_ lacks float8: copy the bytes
+                buf, src = buf.view(torch.uint8), src.view(torch.uint8)
+            buf.index_copy_(0, ids, src)
 
     def read(self, layer_id: int, ids: torch.Tensor) -> CompressedChunk:
         """The chunks under ids (a copy), batched with leading dim len(ids), in the order of ids."""
         ids = ids.to(self.device)
         # index_select: advanced indexing of int8/uint8 buffers is ~20x slower on CPU.
-        return CompressedChunk({name: buf.index_select(0, ids) for name, buf in self.buffers[layer_id].items()})
+        return CompressedChunk({name: _index_select(buf, ids) for name, buf in self.buffers[layer_id].items()})
 
     def decompress(self, layer_id: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (k, v), each [len(ids) * rows_l, H_kv, D]: the rows of chunk ids[0], then
@@ -111,6 +114,12 @@ class CompressedKVPool:
     def size_bytes(self) -> int:
         """Bytes the buffers take, the padding chunk included."""
         return sum(b.numel() * b.element_size() for bufs in self.buffers for b in bufs.values())
+
+
+def _index_select(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if buf.element_size() == 1:  # one-byte dtypes (incl. float8) gather as bytes
+        return buf.view(torch.uint8).index_select(0, ids).view(buf.dtype)
+    return buf.index_select(0, ids)
 
 
 def compress_pages(
