@@ -82,6 +82,7 @@ def main() -> None:
             "first_divergence": [first_divergence(vc.outputs[i], full.outputs[i]) for i in diverged],
             "lossy_identical_share": lossy_identical[(name, ratio)],
             "seconds": vc.seconds,
+            "round_trace": vc.metrics["round_trace"],  # (drafted, accepted) per round, for project_gpu.py
         })
 
     lines = [

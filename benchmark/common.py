@@ -110,6 +110,7 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
     sched = Scheduler(args)
     sampling = sampling or {"temperature": 0.0}
     reqs = [make_request(f"p{i}", ids, max_new_tokens=max_new_tokens, **sampling) for i, ids in enumerate(prompts)]
+    sched.metrics.round_trace = []
     t0 = time.perf_counter()
     res = run_to_completion(sched, reqs)
     seconds = time.perf_counter() - t0
@@ -119,6 +120,7 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "spec_drafted": m.spec_drafted_total,
         "spec_accepted": m.spec_accepted_total,
         "retracted": m.num_retracted_total,
+        "round_trace": m.round_trace,
     }
     return RunResult([res[f"p{i}"].output_ids for i in range(len(prompts))], seconds, metrics)
 

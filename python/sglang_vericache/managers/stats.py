@@ -28,8 +28,12 @@ class SchedulerMetrics:
     spec_drafted_total: int = 0
     spec_accepted_total: int = 0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
+    # Benchmarks set a list here to record (drafted, accepted) of every VeriCache round.
+    round_trace: list | None = None
 
     def on_spec_round(self, drafted: int, accepted: int) -> None:
+        if self.round_trace is not None:
+            self.round_trace.append((drafted, accepted))
         self.spec_rounds_total += 1
         self.spec_drafted_total += drafted
         self.spec_accepted_total += accepted

@@ -1,0 +1,197 @@
+"""Long-context decoding under an accelerator KV budget, every mode in one run.
+
+    .venv/bin/python benchmark/bench_long_context.py             # defaults: 16 x (1600 in, 256 out)
+
+N requests with long code prompts and long outputs; an accelerator KV budget that holds only a
+few requests' exact KV; a host<->accelerator link of a given bandwidth. Modes:
+  full            exact KV in the accelerator pool (the budget caps how many requests run)
+  full-offload    exact KV in host memory, streamed over the link at every step (naive offload)
+  lossy           compressed KV only, in the accelerator budget (quality baseline)
+  vc-lockstep     VeriCache, everyone drafts then everyone verifies (exact KV streamed)
+  vc-staggered    VeriCache, verifications booked against the link so they overlap drafting
+Reports output tokens/s (median of --repeats), the ratio to full, output identity with full,
+mean tokens per round, link and compute busy fractions; writes JSON, a Markdown table, and a
+timeline plot of link and compute activity for lock-step against staggered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from common import RESULTS, heldout_files, machine, write_results
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.model_config import ModelConfig
+from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
+from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+
+
+def long_prompts(tok, model_path: str, n: int, length: int) -> list[list[int]]:
+    """n disjoint windows of `length` tokens from the concatenated held-out stdlib files."""
+    ids: list[int] = []
+    for path in heldout_files(model_path):
+        ids += tok(path.read_text(errors="replace")).input_ids
+        if len(ids) >= n * length:
+            break
+    if len(ids) < n * length:
+        raise SystemExit(f"held-out files give {len(ids)} tokens, fewer than {n} x {length}")
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+def modes(args) -> dict[str, dict]:
+    vc = dict(kv_compressor=args.compressor, kv_compression_ratio=args.ratio, speculative_algorithm="VERICACHE",
+              speculative_num_draft_tokens=str(args.draft_tokens), link_bandwidth=args.link_bandwidth)
+    host = dict(host_kv_budget=args.host_kv_budget)
+    return {
+        "full": {},
+        "full-offload": dict(kv_offload=True, link_bandwidth=args.link_bandwidth, **host),
+        "lossy": dict(kv_compressor=args.compressor, kv_compression_ratio=args.ratio),
+        "vc-lockstep": dict(vericache_schedule="lockstep", **vc, **host),
+        "vc-staggered": dict(vericache_schedule="staggered", **vc, **host),
+    }
+
+
+def run_mode(args, prompts, server: dict):
+    sched = Scheduler(ServerArgs(
+        model_path=args.model_path, skip_tokenizer_init=True, page_size=args.page_size,
+        device_kv_budget=args.device_kv_budget, max_running_requests=len(prompts),
+        verify_staging_tokens=args.staging_tokens, chunked_prefill_size=args.chunked_prefill_size,
+        num_threads=args.threads, **server))
+    reqs = [make_request(f"r{i}", p, max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    sched.timeline = []
+    if sched.link is not None:
+        sched.link.reset_stats()
+    t0 = time.perf_counter()
+    res = run_to_completion(sched, reqs)
+    wall = time.perf_counter() - t0
+    outputs = [res[f"r{i}"].output_ids for i in range(len(prompts))]
+    compute = sum(b - a for a, b, _ in sched.timeline)
+    link = sched.link.engine if sched.link is not None else None
+    m = sched.metrics
+    return {
+        "tok_s": sum(len(o) for o in outputs) / wall,
+        "wall_s": wall,
+        "outputs": outputs,
+        "compute_busy": compute / wall,
+        "link_busy": (link.busy_seconds / wall) if link else 0.0,
+        "link_bytes": link.bytes_total if link else 0,
+        "tokens_per_round": (m.spec_accepted_total + m.spec_rounds_total) / m.spec_rounds_total
+        if m.spec_rounds_total else None,
+        "max_running": getattr(sched, "peak_running", None),
+        "timeline": [(a - t0, b - t0, tag) for a, b, tag in sched.timeline],
+        "link_intervals": [(a - t0, b - t0) for a, b, *_ in (link.busy_intervals if link else [])],
+        "retracted": m.num_retracted_total,
+    }
+
+
+def plot_timeline(runs: dict[str, dict], path, seconds: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("vc-lockstep", "vc-staggered") if n in runs]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.8 * len(names) + 0.6), sharex=True)
+    axes = [axes] if len(names) == 1 else axes
+    for ax, name in zip(axes, names):
+        r = runs[name]
+        t0 = next((a for a, _, tag in r["timeline"] if tag != "prefill"), 0.0)  # decoding starts
+        comp = [(a - t0, b - a) for a, b, _ in r["timeline"] if t0 <= a < t0 + seconds]
+        link = [(a - t0, b - a) for a, b in r["link_intervals"] if t0 <= a < t0 + seconds]
+        ax.broken_barh(comp, (10, 8), facecolors="tab:blue")
+        ax.broken_barh(link, (0, 8), facecolors="tab:orange")
+        ax.set_yticks([4, 14], ["link", "compute"])
+        ax.set_title(f"{name}: link busy {r['link_busy']:.0%}, compute busy {r['compute_busy']:.0%}", fontsize=9)
+    axes[-1].set_xlabel("seconds since decoding began")
+    axes[-1].set_xlim(0, seconds)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--num-requests", type=int, default=16, help="Requests, all submitted at once.")
+    p.add_argument("--input-len", type=int, default=1600, help="Prompt tokens per request.")
+    p.add_argument("--output-len", type=int, default=256, help="New tokens per request.")
+    p.add_argument("--device-kv-budget", default=None,
+                   help="Accelerator KV memory (default: exact KV of --full-fits requests).")
+    p.add_argument("--full-fits", type=float, default=3.0,
+                   help="How many requests' exact KV the default device budget holds.")
+    p.add_argument("--host-kv-budget", default="4GB", help="Host memory for the exact tier.")
+    p.add_argument("--link-bandwidth", default="1GB", help="Host->accelerator link, bytes/s.")
+    p.add_argument("--compressor", default="snapkv", help="KV compressor for lossy and VeriCache.")
+    p.add_argument("--ratio", type=float, default=4.0, help="Compression ratio.")
+    p.add_argument("--draft-tokens", type=int, default=16, help="VeriCache draft tokens per round.")
+    p.add_argument("--staging-tokens", type=int, default=4096, help="Verification staging rows per layer.")
+    p.add_argument("--page-size", type=int, default=32, help="KV page = compression chunk, tokens.")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="Prefill chunk, tokens.")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    p.add_argument("--repeats", type=int, default=3, help="Runs of every mode; medians are reported.")
+    p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
+    args = p.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    prompts = long_prompts(tok, args.model_path, args.num_requests, args.input_len)
+    mc = ModelConfig.from_path(args.model_path)
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * torch.empty(
+        (), dtype=mc.dtype).element_size()
+    if args.device_kv_budget is None:
+        args.device_kv_budget = str(int(args.full_fits * (args.input_len + args.output_len + args.page_size) * per_token))
+    all_modes = modes(args)
+    chosen = {k: v for k, v in all_modes.items() if args.modes is None or k in args.modes}
+
+    runs: dict[str, list[dict]] = {k: [] for k in chosen}
+    for rep in range(args.repeats):
+        for name, server in tqdm(chosen.items(), desc=f"repeat {rep + 1}/{args.repeats}"):
+            runs[name].append(run_mode(args, prompts, server))
+
+    full_out = runs["full"][0]["outputs"] if "full" in runs else None
+    med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
+    rows = []
+    for name, rs in runs.items():
+        last = rs[-1]
+        rows.append({
+            "mode": name,
+            "tok_s_median": med[name],
+            "tok_s_runs": [r["tok_s"] for r in rs],
+            "ratio_to_full": med[name] / med["full"] if "full" in med else None,
+            "identical_to_full": None if full_out is None else all(r["outputs"] == full_out for r in rs),
+            "tokens_per_round": last["tokens_per_round"],
+            "link_busy": statistics.median(r["link_busy"] for r in rs),
+            "compute_busy": statistics.median(r["compute_busy"] for r in rs),
+            "link_bytes": last["link_bytes"],
+            "retracted": last["retracted"],
+        })
+    header = (
+        f"Long-context decoding: {args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new "
+        f"tokens), {args.model_path}\n"
+        f"device KV budget {parse_bytes(args.device_kv_budget) / 1e6:.1f} MB (exact KV of {args.full_fits:g} "
+        f"requests), link {args.link_bandwidth}/s, {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, "
+        f"staging {args.staging_tokens} rows; median of {args.repeats}; machine: {machine()}\n"
+    )
+    lines = [header, "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_full"]]
+        lines.append(f"| {r['mode']} | {r['tok_s_median']:.1f} | {r['ratio_to_full']:.2f}x | {same} | {tpr} | "
+                     f"{r['link_busy']:.0%} | {r['compute_busy']:.0%} |")
+    report = {"args": vars(args), "machine": machine(), "rows": rows,
+              "timelines": {k: {"compute": rs[-1]["timeline"], "link": rs[-1]["link_intervals"]}
+                            for k, rs in runs.items() if k.startswith("vc-")}}
+    write_results("long_context", report, "\n".join(lines))
+    if "vc-lockstep" in runs or "vc-staggered" in runs:
+        span = min(r[-1]["wall_s"] for k, r in runs.items() if k.startswith("vc-"))
+        plot_timeline({k: rs[-1] for k, rs in runs.items()}, RESULTS / "long_context_timeline.png", min(span, 3.0))
+        print(f"wrote {RESULTS / 'long_context_timeline.png'}")
+
+
+if __name__ == "__main__":
+    main()
