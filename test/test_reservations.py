@@ -49,3 +49,11 @@ def test_cancel_returns_the_booking_and_link_budget_updates_apply():
     r.reserve(0, 40, 1)
     r.set_link_budget(150)
     assert [s.link_bytes for s in r.slots] == [110, 150, 150]
+
+
+def test_unthrottled_link_stays_unthrottled():
+    r = VerifyReservations(horizon=4, link_bytes_per_iter=float("inf"), staging_tokens=100)
+    r.set_link_budget(float("inf"))
+    assert [r.reserve(1, 10**12, 10) for _ in range(3)] == [1, 1, 1]
+    r.set_link_budget(100.0)
+    assert [s.link_bytes for s in r.slots] == [100.0, 100.0, 100.0, 100.0]

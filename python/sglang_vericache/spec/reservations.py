@@ -12,6 +12,7 @@ Pure Python (no torch): the GPU projection replays the same policy with a cost m
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -36,10 +37,12 @@ class VerifyReservations:
 
     def set_link_budget(self, link_bytes_per_iter: float) -> None:
         """New estimate of what the link moves per iteration; applies to slots not yet used."""
+        if link_bytes_per_iter == self.link_bytes_per_iter:  # also inf == inf: inf - inf is NaN
+            return
         delta = link_bytes_per_iter - self.link_bytes_per_iter
         self.link_bytes_per_iter = link_bytes_per_iter
         for slot in self.slots:
-            slot.link_bytes += delta
+            slot.link_bytes = link_bytes_per_iter if math.isinf(delta) else slot.link_bytes + delta
 
     def advance(self) -> None:
         """The current iteration is over: its slot leaves the ring, a fresh one joins the end."""
