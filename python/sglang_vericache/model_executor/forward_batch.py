@@ -115,8 +115,9 @@ class StagedVerify:
     StagedKV with those requests' req_to_token[:prefix_len] slots concatenated request by request).
     Its new tokens (extend_seq_lens[row] >= 1, at positions prefix_lens[i]..) attend causally to
     [those rows, the new tokens' own K/V]; prefix_lens[i] must equal extend_prefix_lens[row].
-    The backend calls kv.layer(l) right before layer l's staged attention and kv.release(l) right
-    after it, so every layer of kv is consumed by exactly one forward.
+    The backend calls kv.layer(l) right before layer l's staged attention and kv.release(l) as soon
+    as it has copied the rows out (before the SDPA), so layer l+depth loads during the rest of layer
+    l; every layer of kv is consumed by exactly one forward (ModelRunner.forward closes it on error).
     """
 
     kv: StagedKV
@@ -128,7 +129,8 @@ class StagedVerify:
             raise ValueError(f"{len(self.offsets)} offsets for {len(self.prefix_lens)} prefix_lens")
         for o, p in zip(self.offsets, self.prefix_lens):
             if o < 0 or p < 0 or o + p > self.kv.num_tokens:
-                raise ValueError(f"staged rows [{o}, {o + p}) outside the StagedKV's {self.kv.num_tokens} rows")
+                n = self.kv.num_tokens
+                raise ValueError(f"staged rows [{o}, {o + p}) outside the StagedKV's {n} rows")
 
     @property
     def batch_size(self) -> int:

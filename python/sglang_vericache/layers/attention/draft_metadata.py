@@ -81,7 +81,8 @@ def build_draft_metadata(fb: ForwardBatch) -> DraftMetadata:
     assert ctx is not None, "a DRAFT_DECODE ForwardBatch needs draft_ctx"
     bs = fb.batch_size
     assert len(ctx.comp_ids) == bs and fb.num_tokens == bs, "DRAFT_DECODE: one new token per request"
-    return draft_metadata_for(ctx, fb.req_pool_indices, fb.req_to_token_pool.req_to_token, fb.input_ids.device)
+    r2t = fb.req_to_token_pool.req_to_token
+    return draft_metadata_for(ctx, fb.req_pool_indices, r2t, fb.input_ids.device)
 
 
 def draft_metadata_for(

@@ -41,6 +41,11 @@ from sglang_vericache.layers.attention.draft_metadata import (
     build_draft_metadata,
     draft_metadata_for,
 )
+from sglang_vericache.layers.attention.staged_metadata import (
+    StagedMetadata,
+    build_staged_metadata,
+    staged_context,
+)
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.radix_attention import RadixAttention
@@ -58,24 +63,6 @@ class PaddedMetadata:
     q_index: torch.Tensor | None  # [B*Lq] token row of each padded query (None: identity)
     out_index: torch.Tensor | None  # [T] padded row of each real token (None: identity)
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # group size -> SDPA mask
-
-
-@dataclass
-class StagedMetadata:
-    """Padded layout of the staged rows: request i's keys are row-major [B, S] =
-    [StagedKV rows offsets[i] .. + prefix_lens[i] | its ext_lens[i] new tokens | zeros]."""
-
-    batch_size: int
-    q_len: int  # Lq = max new tokens
-    kv_len: int  # S = max(prefix + new)
-    offsets: list[int]
-    prefix_lens: list[int]
-    ext_lens: list[int]
-    q_starts: list[int]  # first new-token row of request i within the staged group
-    allowed: torch.Tensor | None  # [B, Lq, S] bool; None = every key visible
-    q_index: torch.Tensor | None
-    out_index: torch.Tensor | None
-    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,7 +113,7 @@ def _sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | N
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
         self.model_runner = model_runner
-        self.forward_metadata: PaddedMetadata | RaggedMetadata | DraftMetadata | None = None
+        self.forward_metadata: PaddedMetadata | RaggedMetadata | DraftMetadata | MixedMetadata | None = None
         num_heads = getattr(getattr(model_runner, "model_config", None), "num_attention_heads", 32)
         self.num_heads = num_heads
         self.force_layout: str | None = None  # "padded" / "ragged" to override the choice (tests)
@@ -194,7 +181,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             draft = draft_metadata_for(fb.draft_ctx, fb.req_pool_indices[:nd], r2t, dev)
         staged = None
         if n_staged:
-            staged = _staged_metadata(fb.staged, ext_lens[nd:], prefix_lens[nd:], dev)
+            staged = build_staged_metadata(fb.staged, ext_lens[nd:], prefix_lens[nd:], dev)
         return MixedMetadata(nd, draft, staged)
 
     def _ragged(self, fb, req_to_token, seq_lens, ext_lens, prefix_lens) -> RaggedMetadata:
@@ -229,8 +216,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         md = self.forward_metadata
         fb = forward_batch
         if isinstance(md, DraftMetadata):
-            return self._forward_draft(q, k, v, layer, fb.draft_ctx, fb.token_to_kv_pool, fb.out_cache_loc, md,
-                                       save_kv_cache)
+            return self._forward_draft(
+                q, k, v, layer, fb.draft_ctx, fb.token_to_kv_pool, fb.out_cache_loc, md, save_kv_cache
+            )
         if isinstance(md, MixedMetadata):
             return self._forward_mixed(q, k, v, layer, fb, md, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
@@ -257,11 +245,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             outs.append(self._forward_draft(q[:nd], k[:nd], v[:nd], layer, fb.draft_ctx, fb.token_to_kv_pool,
                                             fb.out_cache_loc[:nd], md.draft, save_kv_cache))
         if md.staged is not None:
-            outs.append(self._forward_staged(q[nd:], k[nd:], v[nd:], layer, fb, md.staged, fb.out_cache_loc[nd:],
-                                             save_kv_cache))
+            outs.append(self._forward_staged(
+                q[nd:], k[nd:], v[nd:], layer, fb, md.staged, fb.out_cache_loc[nd:], save_kv_cache
+            ))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
-    def _forward_staged(self, q, k, v, layer, fb: ForwardBatch, md: StagedMetadata, out_loc, save_kv_cache: bool):
+    def _forward_staged(
+        self, q, k, v, layer, fb: ForwardBatch, md: StagedMetadata, out_loc: torch.Tensor, save_kv_cache: bool
+    ):
         """New tokens over [StagedKV rows | own K/V], causal -> [T, H*Dv]. The new K/V go to the pool."""
         lid, t = layer.layer_id, q.shape[0]
         hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
@@ -271,8 +262,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         staged = fb.staged.kv
         k_rows, v_rows = staged.layer(lid)
         try:
-            keys = _staged_context(k_rows, k, md, q.dtype)  # [B, S, Hkv, D]
-            values = _staged_context(v_rows, v, md, q.dtype)
+            keys = staged_context(k_rows, k, md, q.dtype)  # [B, S, Hkv, D]
+            values = staged_context(v_rows, v, md, q.dtype)
         finally:
             staged.release(lid)  # copied out: the ring slot can take layer lid + depth now
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
@@ -314,42 +305,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
         values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
         return _grouped_sdpa(q, keys, values, md.mask(layout), bs, 1, layer)
-
-
-def _staged_metadata(staged, ext_lens: list[int], prefix_lens: list[int], dev) -> StagedMetadata:
-    if list(staged.prefix_lens) != list(prefix_lens):
-        raise ValueError(f"staged.prefix_lens {staged.prefix_lens} != the rows' extend_prefix_lens {prefix_lens}")
-    if min(ext_lens) < 1:
-        raise ValueError("every staged row needs at least one new token")
-    bs = len(ext_lens)
-    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
-    max_q, max_s = max(ext_lens), max(seq_lens)
-    q_starts = [sum(ext_lens[:i]) for i in range(bs)]
-    allowed = None
-    if not (max_q == 1 and min(seq_lens) == max_s):  # as the pool layout: a decode batch of equal lengths
-        i64 = dict(dtype=torch.int64, device=dev)
-        allowed = _causal_mask(torch.tensor(prefix_lens, **i64), torch.tensor(seq_lens, **i64), max_q, max_s)
-    q_index = out_index = None
-    if any(e != max_q for e in ext_lens):
-        ext = torch.tensor(ext_lens, dtype=torch.int64, device=dev)
-        i = torch.arange(max_q, device=dev)[None, :]
-        valid = i < ext[:, None]
-        starts = torch.tensor(q_starts, dtype=torch.int64, device=dev)
-        q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
-        out_index = valid.flatten().nonzero().squeeze(1)
-    return StagedMetadata(bs, max_q, max_s, list(staged.offsets), list(prefix_lens), list(ext_lens), q_starts,
-                          allowed, q_index, out_index)
-
-
-def _staged_context(rows: torch.Tensor, new: torch.Tensor, md: StagedMetadata, dtype) -> torch.Tensor:
-    """[B, S, Hkv, D]: request i = [rows[o_i : o_i + p_i] | new[q_i : q_i + e_i] | zeros (masked)]."""
-    out = torch.empty((md.batch_size, md.kv_len, *new.shape[1:]), dtype=dtype, device=new.device)
-    for i, (o, p, e, qs) in enumerate(zip(md.offsets, md.prefix_lens, md.ext_lens, md.q_starts)):
-        out[i, :p] = rows[o : o + p]
-        out[i, p : p + e] = new[qs : qs + e]
-        if p + e < md.kv_len:
-            out[i, p + e :] = 0
-    return out
 
 
 def _attend(
