@@ -71,7 +71,9 @@ def run_mode(args, prompts, server: dict):
     res = run_to_completion(sched, reqs)
     wall = time.perf_counter() - t0
     outputs = [res[f"r{i}"].output_ids for i in range(len(prompts))]
-    compute = sum(b - a for a, b, _ in sched.timeline)
+    stalls = sched.link.stager.stalls if sched.link is not None else []
+    # Compute is busy during forwards, less the time they wait on the link for a layer.
+    compute = sum(b - a for a, b, _ in sched.timeline) - sum(b - a for a, b in stalls)
     link = sched.link.engine if sched.link is not None else None
     m = sched.metrics
     return {
@@ -86,6 +88,7 @@ def run_mode(args, prompts, server: dict):
         "max_running": getattr(sched, "peak_running", None),
         "timeline": [(a - t0, b - t0, tag) for a, b, tag in sched.timeline],
         "link_intervals": [(a - t0, b - t0) for a, b, *_ in (link.busy_intervals if link else [])],
+        "stall_intervals": [(a - t0, b - t0) for a, b in stalls],
         "retracted": m.num_retracted_total,
     }
 
@@ -104,7 +107,9 @@ def plot_timeline(runs: dict[str, dict], path, seconds: float) -> None:
         t0 = next((a for a, _, tag in r["timeline"] if tag != "prefill"), 0.0)  # decoding starts
         comp = [(a - t0, b - a) for a, b, _ in r["timeline"] if t0 <= a < t0 + seconds]
         link = [(a - t0, b - a) for a, b in r["link_intervals"] if t0 <= a < t0 + seconds]
+        stall = [(a - t0, b - a) for a, b in r["stall_intervals"] if t0 <= a < t0 + seconds]
         ax.broken_barh(comp, (10, 8), facecolors="tab:blue")
+        ax.broken_barh(stall, (10, 8), facecolors="white")  # forwards waiting on the link
         ax.broken_barh(link, (0, 8), facecolors="tab:orange")
         ax.set_yticks([4, 14], ["link", "compute"])
         ax.set_title(f"{name}: link busy {r['link_busy']:.0%}, compute busy {r['compute_busy']:.0%}", fontsize=9)

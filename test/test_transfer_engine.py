@@ -42,7 +42,7 @@ def test_busy_intervals_are_back_to_back_link_times(fake):
     eng = make_engine(1000.0, fake)  # 1000 B/s
     handles = [eng.submit(lambda: None, n, tag=t) for n, t in ((500, "a"), (250, "b"), (1000, "c"))]
     handles[-1].wait()
-    assert eng.busy_intervals == [(0.0, 0.5, 500, "a"), (0.5, 0.75, 250, "b"), (0.75, 1.75, 1000, "c")]
+    assert list(eng.busy_intervals) == [(0.0, 0.5, 500, "a"), (0.5, 0.75, 250, "b"), (0.75, 1.75, 1000, "c")]
     assert eng.bytes_total == 1750
     assert eng.busy_seconds == 1.75
     assert all(h.done() for h in handles)
@@ -59,7 +59,7 @@ def test_copy_time_counts_toward_the_link_time(fake):
 
     eng.submit(copy_taking(0.2), 500, "fast copy")  # link time 0.5: sleeps the remaining 0.3
     eng.submit(copy_taking(0.8), 500, "slow copy").wait()  # copy slower than the link: no sleep
-    assert eng.busy_intervals == [(0.0, 0.5, 500, "fast copy"), (0.5, 1.3, 500, "slow copy")]
+    assert list(eng.busy_intervals) == [(0.0, 0.5, 500, "fast copy"), (0.5, 1.3, 500, "slow copy")]
     assert fake.sleeps == [pytest.approx(0.3)]
     eng.shutdown()
 
@@ -91,7 +91,7 @@ def test_unthrottled_engine_copies_without_sleeping(fake):
     eng.submit(lambda: dst.copy_(torch.tensor([1.0, 2.0, 3.0])), 12, "x").wait()
     assert torch.equal(dst, torch.tensor([1.0, 2.0, 3.0]))
     assert fake.sleeps == []
-    assert eng.busy_intervals == [(0.0, 0.0, 12, "x")]
+    assert list(eng.busy_intervals) == [(0.0, 0.0, 12, "x")]
     assert eng.link_seconds(10**9) == 0.0
     eng.shutdown()
 
@@ -111,7 +111,7 @@ def test_copy_error_surfaces_on_wait_and_later_jobs_still_run(fake):
     h_ok.wait()
     assert ran == [1]
     # the failed job still spent its link time
-    assert eng.busy_intervals == [(0.0, 0.1, 100, "bad"), (0.1, 0.2, 100, "ok")]
+    assert list(eng.busy_intervals) == [(0.0, 0.1, 100, "bad"), (0.1, 0.2, 100, "ok")]
     eng.shutdown()
 
 
@@ -119,9 +119,9 @@ def test_reset_stats_and_shutdown(fake):
     eng = make_engine(1000.0, fake)
     eng.submit(lambda: None, 500).wait()
     eng.reset_stats()
-    assert (eng.busy_intervals, eng.bytes_total, eng.busy_seconds) == ([], 0, 0.0)
+    assert (list(eng.busy_intervals), eng.bytes_total, eng.busy_seconds) == ([], 0, 0.0)
     eng.submit(lambda: None, 250, "after").wait()
-    assert eng.busy_intervals == [(0.5, 0.75, 250, "after")]
+    assert list(eng.busy_intervals) == [(0.5, 0.75, 250, "after")]
     eng.shutdown()
     eng.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):

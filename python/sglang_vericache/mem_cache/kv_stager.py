@@ -22,6 +22,8 @@ Staging memory: staging_bytes() = depth * max_tokens * num_kv_heads * (head_dim 
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +52,8 @@ class LayerwiseKVStager:
             self.k_bounce = torch.empty(self.k_ring.shape, dtype=p.dtype, pin_memory=True)
             self.v_bounce = torch.empty(self.v_ring.shape, dtype=p.dtype, pin_memory=True)
         self._active: StagedKV | None = None
+        # (start, end) of every wait of the compute thread on a layer still in flight.
+        self.stalls: deque[tuple[float, float]] = deque(maxlen=1 << 17)
 
     def bytes_per_token_layer(self) -> int:
         """Bytes of one token's K + V in one layer (what the link moves per staged row per layer)."""
@@ -130,6 +134,10 @@ class StagedKV:
         h = self._handles.get(layer)
         if h is None:
             raise RuntimeError(f"layer {layer} is not staged (staged now: {sorted(self._handles)})")
+        if not h.done():  # compute stalls on the link: recorded for busy fractions and timelines
+            t0 = time.perf_counter()
+            h.wait()
+            self.stager.stalls.append((t0, time.perf_counter()))
         h.wait()
         ring, n = layer % self.stager.depth, self.num_tokens
         return self.stager.k_ring[ring, :n], self.stager.v_ring[ring, :n]

@@ -21,10 +21,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+
+MAX_INTERVALS = 1 << 17
 
 
 @dataclass
@@ -90,7 +94,8 @@ class TransferEngine:
         return 0.0 if self.bandwidth is None else nbytes / self.bandwidth
 
     def reset_stats(self) -> None:
-        self.busy_intervals: list[tuple[float, float, int, str]] = []  # (start, end, nbytes, tag)
+        # (start, end, nbytes, tag) of the recent jobs; bounded so a long-running server does not grow.
+        self.busy_intervals: deque[tuple[float, float, int, str]] = deque(maxlen=MAX_INTERVALS)
         self.bytes_total = 0
         self.busy_seconds = 0.0
 

@@ -61,3 +61,4 @@ class Link:
 
     def reset_stats(self) -> None:
         self.engine.reset_stats()
+        self.stager.stalls.clear()
