@@ -14,14 +14,15 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 def trim_matched_stop_text(text: str, finished_reason: dict | None, no_stop_trim: bool) -> str:
-    """Cuts the output at the first occurrence of the matched stop string (kept if no_stop_trim)."""
-    if not finished_reason or no_stop_trim:
-        return text
-    matched = finished_reason.get("matched")
+    """Cuts the output at the first occurrence of the matched stop string (SGLang's rule): before it,
+    or just after it with no_stop_trim."""
+    matched = (finished_reason or {}).get("matched")
     if not isinstance(matched, str) or not matched:
         return text
     pos = text.find(matched)
-    return text if pos == -1 else text[:pos]
+    if pos == -1:
+        return text
+    return text[: pos + len(matched)] if no_stop_trim else text[:pos]
 
 
 def held_back_len(text: str, stops: list[str]) -> int:
@@ -40,8 +41,9 @@ def held_back_len(text: str, stops: list[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -60,9 +62,9 @@ class IncrementalDetokenizer:
         )
 
     def _new_text(self, read_end: int) -> str:
-        surr = self._decode(self.decode_ids[self.surr_offset:self.read_offset])
-        full = self._decode(self.decode_ids[self.surr_offset:read_end])
-        return full[len(surr):]
+        surr = self._decode(self.decode_ids[self.surr_offset : self.read_offset])
+        full = self._decode(self.decode_ids[self.surr_offset : read_end])
+        return full[len(surr) :]
 
     def add(self, new_ids: list[int]) -> None:
         """Appends tokens; commits their text once it forms whole characters."""
@@ -76,11 +78,8 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.decode_ids)
 
     def finish(self, finished_reason: dict | None, no_stop_trim: bool) -> str:
-        """The final output text: everything decoded, the matched stop string or stop token trimmed."""
+        """The final output text: everything decoded, the matched stop string trimmed.
+        (A matched stop *token* is never given to add(): see ReqState.update.)"""
         end = len(self.decode_ids)
-        matched = (finished_reason or {}).get("matched")
-        if (isinstance(matched, int) and not isinstance(matched, bool) and not no_stop_trim
-                and end > self.read_offset and self.decode_ids[-1] == matched):
-            end -= 1
         text = self.text + self._new_text(end) if end > self.read_offset else self.text
         return trim_matched_stop_text(text, finished_reason, no_stop_trim)

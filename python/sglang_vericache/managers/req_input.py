@@ -13,15 +13,43 @@ from sglang_vericache.sampling.sampling_params import InvalidRequest
 
 # SGLang GenerateReqInput fields we accept only at their "off" value.
 _UNSUPPORTED_IF_SET = (
-    "session_id", "session_params", "lora_path", "lora_id", "image_data", "video_data", "audio_data",
-    "input_embeds", "modalities", "custom_logit_processor", "token_ids_logprob", "return_hidden_states",
-    "data_parallel_rank", "routed_dp_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "return_routed_experts", "background", "priority", "extra_key", "cache_salt", "custom_labels",
+    "session_id",
+    "session_params",
+    "lora_path",
+    "lora_id",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "modalities",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "data_parallel_rank",
+    "routed_dp_rank",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "return_routed_experts",
+    "background",
+    "priority",
+    "extra_key",
+    "cache_salt",
+    "custom_labels",
     "return_prompt_token_ids",
 )
 _KNOWN = {
-    "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "log_metrics", *_UNSUPPORTED_IF_SET,
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "log_metrics",
+    *_UNSUPPORTED_IF_SET,
 }
 
 
@@ -87,8 +115,11 @@ class GenerateReqInput:
                 raise InvalidRequest(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._check_per_item("return_logprob", lambda v: isinstance(v, bool), "a boolean")
         self._check_per_item("logprob_start_len", lambda v: v is None or _is_int(v), "an integer")
-        self._check_per_item("top_logprobs_num", lambda v: v is None or (_is_int(v) and 0 <= v <= 100),
-                             "an integer in [0, 100]")
+        self._check_per_item(
+            "top_logprobs_num",
+            lambda v: v is None or (_is_int(v) and 0 <= v <= 100),
+            "an integer in [0, 100]",
+        )
         self._check_per_item("sampling_params", lambda v: v is None or isinstance(v, dict), "a JSON object")
         self._check_per_item("rid", lambda v: v is None or isinstance(v, str), "a string")
 

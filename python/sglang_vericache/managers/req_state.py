@@ -52,6 +52,7 @@ class ReqState:
     output_top_logprobs: list = field(default_factory=list)
     # Streaming: how many output logprob entries earlier events already carried.
     sent_logprobs: int = 0
+    sent_ids: int = 0  # output ids covered by streamed events
     detok: IncrementalDetokenizer | None = None
     final_text: str | None = None
 
@@ -59,7 +60,9 @@ class ReqState:
         self.prompt_tokens = len(self.prompt_ids)
         if self.tokenizer is not None:
             self.detok = IncrementalDetokenizer(
-                self.tokenizer, self.prompt_ids, self.params.skip_special_tokens,
+                self.tokenizer,
+                self.prompt_ids,
+                self.params.skip_special_tokens,
                 self.params.spaces_between_special_tokens,
             )
 
@@ -73,24 +76,42 @@ class ReqState:
         self.meta.update(out.meta or {})
         if self.return_logprob:
             with_text = self.return_text_in_logprobs
+            # Input logprobs come once (on a request's first message); a repeat replaces them.
             if out.input_token_logprobs is not None:
-                self.input_token_logprobs.extend(_with_text(out.input_token_logprobs, tokenizer, with_text))
+                self.input_token_logprobs = _with_text(out.input_token_logprobs, tokenizer, with_text)
             if out.input_top_logprobs is not None:
-                self.input_top_logprobs.extend(
-                    None if row is None else _with_text(row, tokenizer, with_text) for row in out.input_top_logprobs)
+                self.input_top_logprobs = [
+                    None if row is None else _with_text(row, tokenizer, with_text)
+                    for row in out.input_top_logprobs
+                ]
             if out.output_token_logprobs is not None:
                 self.output_token_logprobs.extend(_with_text(out.output_token_logprobs, tokenizer, with_text))
             if out.output_top_logprobs is not None:
                 self.output_top_logprobs.extend(
-                    _with_text(row, tokenizer, with_text) for row in out.output_top_logprobs)
+                    _with_text(row, tokenizer, with_text) for row in out.output_top_logprobs
+                )
         if self.detok is not None:
-            self.detok.add(out.new_output_ids)
+            self.detok.add(self._text_ids(out))
         if out.finished_reason is not None:
             self.finished_reason = out.finished_reason
             self.finished = True
             self.finish_time = time.perf_counter()
             if self.detok is not None:
                 self.final_text = self.detok.finish(out.finished_reason, self.params.no_stop_trim)
+
+    def _text_ids(self, out: ReqOutput) -> list[int]:
+        """The new ids whose text belongs in the output: a matched stop token is left out (SGLang)."""
+        ids = out.new_output_ids
+        matched = (out.finished_reason or {}).get("matched")
+        if (
+            ids
+            and isinstance(matched, int)
+            and not isinstance(matched, bool)
+            and ids[-1] == matched
+            and not self.params.no_stop_trim
+        ):
+            return ids[:-1]
+        return ids
 
     @property
     def text(self) -> str:

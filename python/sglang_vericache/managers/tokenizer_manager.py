@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing as mp
+import pickle
 import random
-import time
 import uuid
 from collections import deque
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -28,20 +28,26 @@ from sglang_vericache.managers.io_struct import (
     GetStatsReq,
     ReqOutput,
     SchedulerError,
-    SchedulerReady,
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
 from sglang_vericache.managers.metrics import RequestMetrics
 from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.managers.req_state import ReqState
+from sglang_vericache.managers.request_checks import (
+    Limits,
+    check_features,
+    check_logprob_start_len,
+    check_prompt,
+)
+from sglang_vericache.managers.scheduler_launcher import start_scheduler, wait_scheduler_ready
 from sglang_vericache.sampling.sampling_params import InvalidRequest, SamplingParams
 from sglang_vericache.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_READY_TIMEOUT_S = 600.0
 DISCONNECT_POLL_S = 1.0
+CONTROL_TIMEOUT_S = 30.0
 
 
 class GenerateError(Exception):
@@ -52,47 +58,23 @@ class GenerateError(Exception):
         self.status_code = status_code
 
 
+def _resolve_next(waiters: deque, msg: Any) -> None:
+    if waiters:
+        fut = waiters.popleft()
+        if not fut.done():
+            fut.set_result(msg)
+
+
 def load_tokenizer(server_args: ServerArgs):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(server_args.tokenizer_path)
 
 
-def launch_scheduler(server_args: ServerArgs, port_args: PortArgs) -> tuple[mp.Process, SchedulerReady]:
-    """Spawns the Scheduler process and waits for its SchedulerReady (or its load error)."""
-    from sglang_vericache.managers.scheduler import run_scheduler_process
-
-    ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
-    proc.start()
-    writer.close()
-    deadline = time.monotonic() + SCHEDULER_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if reader.poll(0.2):
-            try:
-                msg = reader.recv()
-            except EOFError:
-                msg = None
-            if isinstance(msg, SchedulerReady):
-                return proc, msg
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-            if isinstance(msg, dict) and "error" in msg:
-                raise RuntimeError(f"the scheduler failed to start: {msg['error']}")
-            raise RuntimeError(f"the scheduler process exited (code {proc.exitcode}) before it was ready")
-        if not proc.is_alive():
-            raise RuntimeError(f"the scheduler process exited (code {proc.exitcode}) before it was ready")
-    proc.kill()
-    raise RuntimeError(f"the scheduler was not ready after {SCHEDULER_READY_TIMEOUT_S:.0f} s")
-
-
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None) -> None:
         self.server_args = server_args
         self.port_args = port_args or PortArgs.init_new()
-        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name
 
@@ -100,7 +82,14 @@ class TokenizerManager:
         self.zmq_ctx = zmq.asyncio.Context(2)
         self.recv_from_scheduler = self.zmq_ctx.socket(zmq.PULL)
         self.recv_from_scheduler.bind(self.port_args.tokenizer_ipc_name)
-        self.scheduler_proc, ready = launch_scheduler(server_args, self.port_args)
+        # The scheduler loads the model while this process loads the tokenizer.
+        self.scheduler_proc, reader = start_scheduler(server_args, self.port_args)
+        try:
+            self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
+        except BaseException:
+            self.scheduler_proc.kill()
+            raise
+        ready = wait_scheduler_ready(self.scheduler_proc, reader)
         self.send_to_scheduler = self.zmq_ctx.socket(zmq.PUSH)
         self.send_to_scheduler.setsockopt(zmq.LINGER, 0)
         self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
@@ -109,7 +98,16 @@ class TokenizerManager:
         self.context_len = ready.context_length
         self.max_req_input_len = ready.max_req_input_len
         self.vocab_size = ready.vocab_size
+        self.limits = Limits(
+            vocab_size=ready.vocab_size,
+            context_len=ready.context_length,
+            max_req_input_len=ready.max_req_input_len,
+            has_tokenizer=self.tokenizer is not None,
+            # The scheduler advertises a grammar backend in SchedulerReady.server_info once it has one.
+            supports_grammar=bool((ready.server_info or {}).get("grammar_backend")),
+        )
         self.rng = random.Random(server_args.random_seed)
+        self.stream_interval = server_args.stream_interval
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = RequestMetrics()
         self.last_stats: SchedulerStats | None = None
@@ -171,12 +169,19 @@ class TokenizerManager:
     # ------------------------------------------------------------------ receive
 
     async def _handle_loop(self) -> None:
+        sock = self.recv_from_scheduler
         while True:
-            msg = await self.recv_from_scheduler.recv_pyobj()
-            try:
-                self._handle_message(msg)
-            except Exception:  # one bad message must not stop every request
-                logger.exception("failed to handle a scheduler message")
+            self._handle_frame(await sock.recv())
+            # Drain whatever else is queued before consumers run: a backlog (this process was
+            # descheduled) then becomes one event per request instead of a burst of them.
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._handle_frame(await sock.recv())
+
+    def _handle_frame(self, frame: bytes) -> None:
+        try:
+            self._handle_message(pickle.loads(frame))
+        except Exception:  # one bad message must not stop every request
+            logger.exception("failed to handle a scheduler message")
 
     def _handle_message(self, msg: Any) -> None:
         if isinstance(msg, BatchTokenIDOut):
@@ -189,11 +194,9 @@ class TokenizerManager:
                 state.event.set()
         elif isinstance(msg, SchedulerStats):
             self.last_stats = msg
-            if self._stats_waiters:
-                self._stats_waiters.popleft().set_result(msg)
+            _resolve_next(self._stats_waiters, msg)
         elif isinstance(msg, FlushCacheReqOutput):
-            if self._flush_waiters:
-                self._flush_waiters.popleft().set_result(msg)
+            _resolve_next(self._flush_waiters, msg)
         else:
             logger.warning("unexpected message from the scheduler: %r", type(msg).__name__)
 
@@ -219,25 +222,6 @@ class TokenizerManager:
             return (params.sampling_seed + sample_index) % 2**63
         return self.rng.getrandbits(63)
 
-    def check_prompt(self, input_ids: list[int], max_new_tokens: int) -> None:
-        if not input_ids:
-            raise InvalidRequest("the prompt is empty")
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"input_ids contain token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-        n = len(input_ids)
-        if n >= self.context_len:
-            raise InvalidRequest(
-                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
-        if n > self.max_req_input_len:
-            raise InvalidRequest(
-                f"The input ({n} tokens) is longer than this server's limit ({self.max_req_input_len} tokens).")
-        if n + max_new_tokens > self.context_len:
-            raise InvalidRequest(
-                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
-                f"You requested a total of {n + max_new_tokens} tokens: {n} tokens from the input and "
-                f"{max_new_tokens} tokens for the completion.")
-
     def _build_states(self, obj: GenerateReqInput) -> list[tuple[ReqState, TokenizedGenerateReqInput]]:
         """Tokenizes and checks every prompt, expands n; raises before anything is sent."""
         built = []
@@ -245,21 +229,16 @@ class TokenizerManager:
             text, input_ids = obj.prompt(i)
             if text is not None:
                 if text == "":
-                    raise InvalidRequest("the prompt is empty" + (f" (text[{i}])" if not obj.is_single else ""))
+                    where = "" if obj.is_single else f" (text[{i}])"
+                    raise InvalidRequest(f"the prompt is empty{where}")
                 input_ids = self.tokenize(text)
             params = SamplingParams.from_dict(obj.item("sampling_params", i))
             params.verify(self.vocab_size)
-            if (params.stop or params.stop_regex) and self.tokenizer is None:
-                raise InvalidRequest("stop strings need a tokenizer; this server runs with --skip-tokenizer-init")
-            self.check_prompt(input_ids, params.max_new_tokens)
+            check_features(params, self.limits)
+            check_prompt(input_ids, params.max_new_tokens, self.limits)
             return_logprob = bool(obj.item("return_logprob", i))
-            start = obj.item("logprob_start_len", i)
+            start = check_logprob_start_len(obj.item("logprob_start_len", i), len(input_ids))
             top_n = obj.item("top_logprobs_num", i) or 0
-            if start is None or start == -1:
-                start = -1
-            elif not 0 <= start < len(input_ids):
-                raise InvalidRequest(
-                    f"logprob_start_len ({start}) must be in [0, {len(input_ids)}) (the prompt length) or -1")
             user_rid = obj.item("rid", i)
             for j in range(params.n):
                 if user_rid is not None and params.n == 1:
@@ -271,47 +250,78 @@ class TokenizerManager:
                 if rid in self.rid_to_state or any(s.rid == rid for s, _ in built):
                     raise InvalidRequest(f"duplicate request id: {rid}")
                 state = ReqState(
-                    rid=rid, index=len(built), stream=obj.stream, params=params, prompt_ids=input_ids,
-                    return_logprob=return_logprob, top_logprobs_num=top_n,
-                    return_text_in_logprobs=obj.return_text_in_logprobs, tokenizer=self.tokenizer,
+                    rid=rid,
+                    index=len(built),
+                    stream=obj.stream,
+                    params=params,
+                    prompt_ids=input_ids,
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_n,
+                    return_text_in_logprobs=obj.return_text_in_logprobs,
+                    tokenizer=self.tokenizer,
                 )
                 req = TokenizedGenerateReqInput(
-                    rid=rid, input_ids=list(input_ids), sampling_params=dataclasses.replace(params, n=1),
-                    seed=self._make_seed(params, j), return_logprob=return_logprob,
+                    rid=rid,
+                    input_ids=list(input_ids),
+                    sampling_params=dataclasses.replace(params, n=1),
+                    seed=self._make_seed(params, j),
+                    return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob else -1,
-                    top_logprobs_num=top_n if return_logprob else 0, stream=obj.stream, input_text=text,
+                    top_logprobs_num=top_n if return_logprob else 0,
+                    stream=obj.stream,
+                    input_text=text,
                 )
                 built.append((state, req))
         return built
 
-    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[Any]:
-        """Yields one response (dict, or list for batches) or, when streaming, one dict per event.
+    def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[Any]:
+        """Checks and tokenizes now (raising InvalidRequest), then returns the output iterator.
 
-        Streaming batch events carry "index". Requests still running when the caller stops
-        iterating (client disconnect) are aborted, which frees their KV in the scheduler.
+        The iterator yields one response (a dict, or a list for batches and n > 1) or, when
+        streaming, one dict per event (with "index" for batches). Sequences still running when the
+        caller stops iterating (client disconnect, error) are aborted: the scheduler frees their KV.
         """
         self.ensure_loop()
-        built = self._build_states(obj)
+        return self._generate(obj, self._build_states(obj), request)
+
+    async def _generate(self, obj: GenerateReqInput, built, request) -> AsyncIterator[Any]:
         states = [s for s, _ in built]
-        for state, req in built:
+        for state in states:
             self.rid_to_state[state.rid] = state
         try:
             for _, req in built:
                 self._send(req)
             if obj.stream:
-                async for event in self._stream(states, request, with_index=not obj.is_single):
+                # Several sequences (a list of prompts, or n > 1) share one stream: events carry "index".
+                with_index = len(states) > 1 or not obj.is_single
+                async for event in self._stream(states, request, with_index):
                     yield event
             else:
-                outs = await asyncio.gather(*(self._wait_final(s, request) for s in states))
+                tasks = [asyncio.ensure_future(self._wait_final(s, request)) for s in states]
+                try:
+                    outs = await asyncio.gather(*tasks)
+                finally:
+                    for task in tasks:
+                        task.cancel()
                 yield outs[0] if obj.is_single and len(outs) == 1 else list(outs)
         finally:
             for state in states:
                 if not state.finished:
                     self.abort_request(state.rid)
 
+    def abort_running(self, rid: str) -> None:
+        """An abort from outside the request (/abort_request): the scheduler's final abort
+        output still reaches the waiting client. Unknown rids are ignored, as in SGLang."""
+        if rid in self.rid_to_state:
+            self._send(AbortReq(rid))
+
     def abort_request(self, rid: str) -> None:
+        """Forgets the request (its client is gone) and tells the scheduler to free it."""
         state = self.rid_to_state.pop(rid, None)
-        if state is not None and self.is_healthy:
+        if state is None:
+            return
+        self.metrics.num_aborted_requests_total += 1
+        if self.is_healthy:
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     async def _wait_event(self, state: ReqState, request) -> None:
@@ -322,7 +332,7 @@ class TokenizerManager:
             try:
                 await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await request.is_disconnected():
                     raise GenerateError(f"the client disconnected; request {state.rid} aborted", 499)
         state.event.clear()
@@ -335,35 +345,46 @@ class TokenizerManager:
         return state.make_output(final=True)
 
     async def _stream(self, states: list[ReqState], request, with_index: bool) -> AsyncIterator[dict]:
-        pending = {asyncio.ensure_future(self._wait_event(s, None)): s for s in states}
+        pending = {asyncio.ensure_future(self._wait_event(s, request)): s for s in states}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     state = pending.pop(task)
                     task.result()  # raises the request's error
-                    event = state.make_output(final=False)
-                    if with_index:
-                        event["index"] = state.index
-                    yield event
+                    # An event only when there is something new: tokens, or the finish.
+                    new = len(state.output_ids) - state.sent_ids
+                    if state.finished or (new > 0 and (state.sent_ids == 0 or new >= self.stream_interval)):
+                        state.sent_ids = len(state.output_ids)
+                        event = state.make_output(final=False)
+                        if with_index:
+                            event["index"] = state.index
+                        yield event
                     if not state.finished:
-                        pending[asyncio.ensure_future(self._wait_event(state, None))] = state
+                        pending[asyncio.ensure_future(self._wait_event(state, request))] = state
         finally:
             for task in pending:
                 task.cancel()
 
     # ------------------------------------------------------------------ control
 
-    async def get_stats(self) -> SchedulerStats:
+    async def _ask(self, msg: Any, waiters: deque) -> Any:
+        """Sends a control message; replies of one kind come back in order (FIFO waiters)."""
         self.ensure_loop()
         fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(fut)
-        self._send(GetStatsReq())
-        return await asyncio.wait_for(fut, 30)
+        waiters.append(fut)
+        try:
+            self._send(msg)
+            return await asyncio.wait_for(asyncio.shield(fut), CONTROL_TIMEOUT_S)
+        except TimeoutError:
+            what = f"{type(msg).__name__} in {CONTROL_TIMEOUT_S:.0f} s"
+            raise GenerateError(f"the scheduler did not answer {what}", 504) from None
+        finally:
+            if not fut.done():
+                fut.cancel()  # stays queued: the late reply resolves (and is dropped by) this future
+
+    async def get_stats(self) -> SchedulerStats:
+        return await self._ask(GetStatsReq(), self._stats_waiters)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        self.ensure_loop()
-        fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        self._send(FlushCacheReq())
-        return await asyncio.wait_for(fut, 30)
+        return await self._ask(FlushCacheReq(), self._flush_waiters)

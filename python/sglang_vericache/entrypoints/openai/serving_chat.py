@@ -1,0 +1,264 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then native generate."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi.responses import Response, StreamingResponse
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatCompletionTokenLogprob,
+    ChatMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
+    TopLogprob,
+)
+
+from sglang_vericache.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    parse_tool_calls,
+    template_message,
+    template_tools,
+    tools_in_use,
+)
+from sglang_vericache.entrypoints.openai.utils import (
+    SSE_DONE,
+    finish_reason_of,
+    json_response,
+    normalize_stop,
+    response_format_schema,
+    sse,
+    usage_of,
+)
+from sglang_vericache.managers.req_input import GenerateReqInput
+from sglang_vericache.sampling.sampling_params import InvalidRequest
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.tokenizer_manager import TokenizerManager
+
+# Used when neither the tokenizer nor --chat-template provides one (ChatML).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = getattr(part, "type", None) if not isinstance(part, dict) else part.get("type")
+        if kind != "text":
+            raise InvalidRequest(f"message content of type {kind!r} is not supported (text only)")
+        parts.append(part["text"] if isinstance(part, dict) else part.text)
+    return "".join(parts)
+
+
+def chat_template_of(tm: TokenizerManager) -> str:
+    path = tm.server_args.chat_template
+    if path:
+        with open(path) as f:
+            return f.read()
+    return getattr(tm.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+
+def render_prompt(tm: TokenizerManager, req: ChatCompletionRequest, tools=None) -> list[int]:
+    if tm.tokenizer is None:
+        raise InvalidRequest("chat completions need a tokenizer; this server runs with --skip-tokenizer-init")
+    if not req.messages:
+        raise InvalidRequest("messages is empty")
+    messages = []
+    for m in req.messages:
+        m = dict(m) if isinstance(m, dict) else m.model_dump(exclude_none=True)
+        m["content"] = _content_text(m.get("content"))
+        messages.append(template_message(m))
+    kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = template_tools(tools)
+    text = tm.tokenizer.apply_chat_template(
+        messages, chat_template=chat_template_of(tm), tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    return tm.tokenize(text, add_special_tokens=False)
+
+
+def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, tools) -> GenerateReqInput:
+    input_ids = render_prompt(tm, req, tools)
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_new is None:  # OpenAI: as long as the request may be (context, and what the KV pool allows)
+        longest = min(tm.context_len, tm.max_req_input_len + 1)
+        max_new = max(longest - len(input_ids), 0)
+    top_logprobs = req.top_logprobs or 0
+    if top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true")
+    params = {
+        "max_new_tokens": max_new,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": -1 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "stop": normalize_stop(req.stop),
+        "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
+        "regex": req.regex,
+        "json_schema": response_format_schema(req.response_format),
+        "ebnf": req.ebnf,
+        "ignore_eos": req.ignore_eos,
+        "no_stop_trim": req.no_stop_trim,
+        "skip_special_tokens": req.skip_special_tokens,
+        "sampling_seed": req.seed,
+        "logit_bias": req.logit_bias,
+    }
+    obj = GenerateReqInput(
+        input_ids=input_ids,
+        sampling_params=params,
+        stream=req.stream,
+        return_logprob=bool(req.logprobs),
+        top_logprobs_num=top_logprobs,
+        return_text_in_logprobs=True,
+    )
+    obj.normalize()
+    return obj
+
+
+def _logprobs(req: ChatCompletionRequest, meta: dict) -> ChoiceLogprobs | None:
+    if not req.logprobs:
+        return None
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for k, (lp, _tid, text) in enumerate(meta.get("output_token_logprobs", [])):
+        text = text or ""
+        row = tops[k] if k < len(tops) and tops[k] else []
+        content.append(
+            ChatCompletionTokenLogprob(
+                token=text,
+                bytes=list(text.encode("utf-8")),
+                logprob=lp,
+                top_logprobs=[
+                    TopLogprob(token=t or "", bytes=list((t or "").encode("utf-8")), logprob=p)
+                    for p, _i, t in row
+                ],
+            )
+        )
+    return ChoiceLogprobs(content=content)
+
+
+def make_choice(
+    req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, tools
+) -> ChatCompletionResponseChoice:
+    """One native output -> a chat choice; with tools, parsed calls and finish_reason "tool_calls"."""
+    meta = out["meta_info"]
+    reason, matched = finish_reason_of(meta)
+    content, tool_calls = parse_tool_calls(parser_name, tools, out["text"]) if tools else (out["text"], [])
+    if tool_calls and reason == "stop":
+        reason, matched = "tool_calls", None
+    return ChatCompletionResponseChoice(
+        index=idx,
+        message=ChatMessage(role="assistant", content=content, tool_calls=tool_calls or None),
+        logprobs=_logprobs(req, meta),
+        finish_reason=reason,
+        matched_stop=matched,
+    )
+
+
+async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request) -> Response:
+    parser_name = tm.server_args.tool_call_parser
+    tools = tools_in_use(req, parser_name, tm.limits.supports_grammar)
+    obj = build_generate_input(tm, req, tools)
+    gen = tm.generate_request(obj, raw_request)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = req.model or tm.served_model_name
+    if req.stream:
+        first = await gen.__anext__()
+        new_tool_stream = (lambda: ToolCallStream(parser_name, tools)) if tools else None
+        events = stream_chunks(req, gen, first, rid, created, model, new_tool_stream)
+        return StreamingResponse(events, media_type="text/event-stream")
+    out = await gen.__anext__()
+    await gen.aclose()
+    outs = [out] if isinstance(out, dict) else out
+    choices = [make_choice(req, idx, o, parser_name, tools) for idx, o in enumerate(outs)]
+    resp = ChatCompletionResponse(
+        id=rid, created=created, model=model, choices=choices, usage=usage_of(outs, req.n)
+    )
+    return json_response(resp.model_dump())
+
+
+async def stream_chunks(req, gen, first, rid, created, model, new_tool_stream) -> AsyncIterator[bytes]:
+    """Native events -> chat.completion.chunk SSE lines (role first, content or tool call deltas,
+    a finish chunk per choice, the usage chunk if asked, [DONE])."""
+    sent_text: dict[int, int] = {}
+    finals: dict[int, dict] = {}
+    tool_streams: dict[int, ToolCallStream] = {}
+
+    def chunk(choice) -> bytes:
+        return sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+
+    try:
+        event = first
+        while event is not None:
+            idx = event.get("index", 0)
+            meta = event["meta_info"]
+            if idx not in sent_text:
+                sent_text[idx] = 0
+                if new_tool_stream is not None:
+                    tool_streams[idx] = new_tool_stream()
+                yield chunk(
+                    ChatCompletionResponseStreamChoice(
+                        index=idx, delta=DeltaMessage(role="assistant", content="")
+                    )
+                )
+            delta = event["text"][sent_text[idx] :]
+            sent_text[idx] = len(event["text"])
+            logprobs = _logprobs(req, meta)
+            reason, matched = finish_reason_of(meta)
+            calls = []
+            tools = tool_streams.get(idx)
+            if tools is not None:
+                delta, calls = tools.feed(delta) if delta else ("", [])
+                if reason is not None:
+                    rest, more = tools.finish()
+                    delta, calls = delta + rest, calls + more
+                if tools.has_calls and reason == "stop":
+                    reason, matched = "tool_calls", None
+            if delta or calls or (logprobs is not None and logprobs.content):
+                content = (delta or None) if calls else delta
+                delta_msg = DeltaMessage(content=content, tool_calls=calls or None)
+                yield chunk(ChatCompletionResponseStreamChoice(index=idx, delta=delta_msg, logprobs=logprobs))
+            if reason is not None:
+                finals[idx] = event
+                yield chunk(
+                    ChatCompletionResponseStreamChoice(
+                        index=idx, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched
+                    )
+                )
+            try:
+                event = await gen.__anext__()
+            except StopAsyncIteration:
+                event = None
+        if req.stream_options and req.stream_options.include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield sse(
+                ChatCompletionStreamResponse(
+                    id=rid, created=created, model=model, choices=[], usage=usage_of(outs, req.n)
+                )
+            )
+    except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
+        yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
+    finally:
+        await gen.aclose()
+    yield SSE_DONE

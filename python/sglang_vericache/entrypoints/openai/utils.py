@@ -1,0 +1,93 @@
+"""Shared pieces of the OpenAI-compatible endpoints: errors, finish reasons, usage, logprobs, SSE."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from fastapi.responses import Response
+from sglang.srt.entrypoints.openai.protocol import LogProbs, UsageInfo
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    return Response(
+        orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status_code,
+        media_type="application/json",
+    )
+
+
+def openai_error(message: str, status_code: int = 400) -> Response:
+    """SGLang's OpenAI error body (ErrorResponse)."""
+    phrase = HTTPStatus(status_code).phrase if status_code in HTTPStatus._value2member_map_ else "Error"
+    return json_response(
+        {"object": "error", "message": message, "type": phrase, "param": None, "code": status_code},
+        status_code,
+    )
+
+
+def sse(payload: Any) -> bytes:
+    if hasattr(payload, "model_dump"):
+        payload = payload.model_dump(exclude_none=False)
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def finish_reason_of(meta: dict) -> tuple[str | None, str | int | None]:
+    """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop)."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    if kind == "stop":
+        return "stop", reason.get("matched")
+    if kind == "length":
+        return "length", None
+    return "abort", None
+
+
+def usage_of(outs: list[dict], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per sample); completion tokens per sample."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def completion_logprobs(
+    token_entries: list,
+    top_entries: list | None,
+    text_offset_start: int = 0,
+) -> LogProbs:
+    """[logprob, id, text] entries -> the legacy completions LogProbs object."""
+    out = LogProbs()
+    offset = text_offset_start
+    for k, (lp, _tid, text) in enumerate(token_entries):
+        text = text or ""
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if top_entries is not None:
+            row = top_entries[k] if k < len(top_entries) else None
+            out.top_logprobs.append(None if row is None else {(t or ""): p for p, _i, t in row})
+    return out
+
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def response_format_schema(response_format) -> str | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return '{"type": "object"}'
+    if response_format.type == "json_schema":
+        schema = response_format.json_schema.schema_
+        return orjson.dumps(schema if schema is not None else {}).decode()
+    raise ValueError(f"response_format type {response_format.type!r} is not supported")

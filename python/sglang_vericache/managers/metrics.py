@@ -1,0 +1,103 @@
+"""Request metrics and the Prometheus text exposition for /metrics (SGLang's `sglang:` names)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.io_struct import SchedulerStats
+    from sglang_vericache.managers.req_state import ReqState
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, cum = [], 0
+        for bound, count in zip(self.buckets, self.counts):
+            cum += count
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {cum}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum{{{labels}}} {self.total}")
+        out.append(f"{name}_count{{{labels}}} {self.n}")
+        return out
+
+
+@dataclass
+class RequestMetrics:
+    """Counted in the TokenizerManager when a request finishes."""
+
+    num_requests_total: int = 0
+    num_aborted_requests_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    e2e_latency: Histogram = field(default_factory=Histogram)
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+
+    def observe_finished(self, state: ReqState) -> None:
+        self.num_requests_total += 1
+        if (state.finished_reason or {}).get("type") == "abort":
+            self.num_aborted_requests_total += 1
+        self.prompt_tokens_total += state.prompt_tokens
+        self.generation_tokens_total += state.completion_tokens
+        self.cached_tokens_total += state.cached_tokens
+        self.e2e_latency.observe(state.finish_time - state.created)
+        if state.first_token_time is not None:
+            self.time_to_first_token.observe(state.first_token_time - state.created)
+
+
+def render_prometheus(model_name: str, m: RequestMetrics, s: SchedulerStats | None) -> str:
+    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    labels = f'model_name="{escaped}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value) -> None:
+        lines.append(f"# HELP sglang:{name} {help_text}")
+        lines.append(f"# TYPE sglang:{name} {kind}")
+        lines.append(f"sglang:{name}{{{labels}}} {value}")
+
+    metric("num_requests_total", "counter", "Requests finished.", m.num_requests_total)
+    metric("num_aborted_requests_total", "counter", "Requests aborted.", m.num_aborted_requests_total)
+    metric("prompt_tokens_total", "counter", "Prompt tokens processed.", m.prompt_tokens_total)
+    metric("generation_tokens_total", "counter", "Output tokens generated.", m.generation_tokens_total)
+    metric(
+        "cached_tokens_total", "counter", "Prompt tokens served from the prefix cache.", m.cached_tokens_total
+    )
+    for name, hist, help_text in (
+        ("e2e_request_latency_seconds", m.e2e_latency, "End-to-end request latency."),
+        ("time_to_first_token_seconds", m.time_to_first_token, "Time to the first output token."),
+    ):
+        lines.append(f"# HELP sglang:{name} {help_text}")
+        lines.append(f"# TYPE sglang:{name} histogram")
+        lines.extend(hist.lines(f"sglang:{name}", labels))
+    if s is not None:
+        metric("num_running_reqs", "gauge", "Requests running (decoding or prefilling).", s.num_running_reqs)
+        metric("num_queue_reqs", "gauge", "Requests waiting in the queue.", s.num_waiting_reqs)
+        metric("num_used_tokens", "gauge", "KV pool token slots in use.", s.num_used_tokens)
+        metric("max_total_num_tokens", "gauge", "KV pool token slots.", s.max_total_num_tokens)
+        metric("token_usage", "gauge", "Fraction of the KV pool in use.", s.token_usage)
+        metric("cache_hit_rate", "gauge", "Prefix-cache hit rate (cached / prompt tokens).", s.cache_hit_rate)
+        metric(
+            "gen_throughput", "gauge", "Generation throughput (tokens/s, recent window).", s.gen_throughput
+        )
+        metric(
+            "num_retracted_reqs_total",
+            "counter",
+            "Requests retracted under memory pressure.",
+            s.num_retracted_total,
+        )
+    return "\n".join(lines) + "\n"
