@@ -60,6 +60,19 @@ class RequestMetrics:
             self.time_to_first_token.observe(state.first_token_time - state.created)
 
 
+_EXTRA_HELP = {
+    "spec_rounds_total": "VeriCache rounds (draft, then verify) completed.",
+    "spec_drafted_tokens_total": "Tokens drafted over the compressed KV tier.",
+    "spec_accepted_tokens_total": "Drafted tokens the exact-KV verifier accepted.",
+    "spec_accept_length": "Mean tokens emitted per VeriCache round (accepted drafts + 1).",
+    "compressed_chunks_total": "Compressed-tier chunks (one KV page each) in the accelerator pool.",
+    "compressed_chunks_free": "Compressed-tier chunks free.",
+    "compressed_chunks_cached": "Compressed-tier chunks held by the prefix cache.",
+    "compressed_bytes_per_chunk": "Bytes one compressed chunk takes (all layers).",
+    "compressed_prefix_hit_rate": "Share of queried prompt tokens whose compressed KV came from the cache.",
+}
+
+
 def render_prometheus(model_name: str, m: RequestMetrics, s: SchedulerStats | None) -> str:
     escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     labels = f'model_name="{escaped}"'
@@ -100,4 +113,9 @@ def render_prometheus(model_name: str, m: RequestMetrics, s: SchedulerStats | No
             "Requests retracted under memory pressure.",
             s.num_retracted_total,
         )
+        # Tier and VeriCache counters (compressed tier usage, rounds, drafted / accepted tokens).
+        for key, value in sorted(s.extra.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                kind = "counter" if key.endswith("_total") else "gauge"
+                metric(key, kind, _EXTRA_HELP.get(key, key.replace("_", " ") + "."), value)
     return "\n".join(lines) + "\n"
