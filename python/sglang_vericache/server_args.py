@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The compressor registry's names (compress/registry.py; a test keeps the two equal). Listed here
+# so that parsing flags never imports torch.
+KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2", "kivi4", "int8", "fp8")
 
 
 def default_model_path() -> str:
@@ -108,6 +111,8 @@ class ServerArgs:
             raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
         if self.kv_offload and self.kv_mode != "full":
             raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have tiers")
+        if self.kv_compressor is not None and self.kv_compressor not in KV_COMPRESSORS:
+            raise ValueError(f"--kv-compressor must be one of {', '.join(KV_COMPRESSORS)}, got {self.kv_compressor!r}")
         x = self.speculative_num_draft_tokens
         if x != "auto" and not (str(x).isdigit() and 1 <= int(x) <= 64):
             raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {x!r}")
@@ -159,7 +164,8 @@ class ServerArgs:
             help="Output tokens per streaming event (the first token and the finish are always sent at once).")
         add("--page-size", type=int, default=d["page_size"].default, help="Tokens per KV-cache page.")
         add("--max-total-tokens", type=int, default=None,
-            help="Token slots in the KV pool (default: sized from --mem-fraction of free memory, capped).")
+            help="Token slots in the exact KV pool (default: from --device-kv-budget in full mode or "
+                 "--host-kv-budget in two-tier modes, else a quarter of free RAM, at most 131072).")
         add("--max-running-requests", type=int, default=d["max_running_requests"].default,
             help="Most requests decoding at once.")
         add("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
