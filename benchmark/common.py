@@ -46,7 +46,7 @@ def heldout_files(model_path: str = default_model_path()) -> list[Path]:
 @dataclass(frozen=True)
 class CodePrompt:
     ids: list[int]
-    header: str  # the function's header as it stands in the file (original indentation)
+    header: str  # the function's header as it stands in the file (original indentation, no final newline)
 
 
 def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
@@ -67,10 +67,12 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
             if node.decorator_list or len(node.body) < 2 or ast.get_docstring(node, clean=False) is None:
                 continue
             end = node.body[0].end_lineno
-            ids = tokenizer("".join(lines[:end])).input_ids
+            # End at the docstring's closing quotes: this tokenizer merges a newline with the next
+            # line's indentation, so a prompt ending in a bare newline is unlike its training text.
+            ids = tokenizer("".join(lines[:end]).rstrip("\n")).input_ids
             if len(ids) < min_tokens:
                 continue
-            prompts.append(CodePrompt(ids[-max_tokens:], "".join(lines[node.lineno - 1 : end])))
+            prompts.append(CodePrompt(ids[-max_tokens:], "".join(lines[node.lineno - 1 : end]).rstrip("\n")))
             break
         if len(prompts) == n:
             break
