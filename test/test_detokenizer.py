@@ -21,8 +21,8 @@ def tok(default_model_dir):
 
 
 def test_multibyte_characters_split_over_tokens_are_never_emitted_broken(tok):
-    prompt = tok.encode("print(")
-    ids = tok.encode(TEXT)
+    prompt = tok.encode("print(", add_special_tokens=False)
+    ids = tok.encode(TEXT, add_special_tokens=False)
     # Byte-level BPE: some characters span several tokens, so some prefixes decode broken.
     assert any("\ufffd" in tok.decode(ids[:k]) for k in range(1, len(ids)))
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True, spaces_between_special_tokens=True)
@@ -36,15 +36,15 @@ def test_multibyte_characters_split_over_tokens_are_never_emitted_broken(tok):
 
 
 def test_adding_tokens_in_chunks_gives_the_same_text(tok):
-    ids = tok.encode(TEXT)
-    detok = IncrementalDetokenizer(tok, tok.encode("x = "), True, True)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("x = ", add_special_tokens=False), True, True)
     for i in range(0, len(ids), 3):
         detok.add(ids[i : i + 3])
     assert detok.finish(None, False) == TEXT
 
 
 def test_special_tokens_follow_skip_special_tokens(tok):
-    ids = tok.encode("a b") + [tok.eos_token_id]
+    ids = tok.encode("a b", add_special_tokens=False) + [tok.eos_token_id]
     skip = IncrementalDetokenizer(tok, [], True, True)
     keep = IncrementalDetokenizer(tok, [], False, True)
     skip.add(ids)

@@ -110,7 +110,8 @@ def test_extend_on_cached_prefix_matches_one_shot_prefill(family, checkpoints):
     fb = prepare_forward_batch(runner, [a, b], [prompt[8:], other], logits_indices=torch.arange(n))
     assert fb.extend_prefix_lens_cpu == [8, 0]
     logits = runner.forward(fb)
-    assert (logits[: len(prompt) - 8] - one_shot[8:]).abs().max().item() < 1e-5
+    # float32 matmuls over a different number of rows differ in the last bits (measured <= 1.1e-5).
+    assert (logits[: len(prompt) - 8] - one_shot[8:]).abs().max().item() < 5e-5
     assert torch.equal(logits[: len(prompt) - 8].argmax(-1), one_shot[8:].argmax(-1))
 
 

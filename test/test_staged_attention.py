@@ -29,7 +29,7 @@ from sglang_vericache.testing.forward_batches import new_req, prepare_forward_ba
 from sglang_vericache.testing.staged_batches import mixed_batch, prepare_staged_batch, staged_slots
 
 PAGE = 4
-ATOL = 1e-5
+ATOL = 5e-5  # float32: matmuls over a different number of rows differ in the last bits (CPU_INSTALL.md)
 MAX_STAGED = 128
 
 

@@ -123,3 +123,20 @@ def test_lossy_mode_decodes_from_the_compressed_tier_alone(llama):
     # Ratio 1 keeps every token, so the compressed tier is exact; at 8x the output changes.
     assert lossy_r1["r"].output_ids == full["r"].output_ids
     assert lossy_r8["r"].output_ids != full["r"].output_ids
+
+
+@pytest.mark.parametrize("mode", ["lossy", "vericache"])
+def test_compressed_tier_smaller_than_the_workload_queues_instead_of_thrashing(llama, mode):
+    # The compressed pool holds about two of these requests at once: the rest must wait their turn,
+    # and every request must finish in a bounded number of steps (no admit/requeue livelock).
+    extra = {"speculative_algorithm": "VERICACHE"} if mode == "vericache" else {}
+    probe = roomy = sched(llama, kv_compressor="int8", max_running_requests=8, **extra)
+    chunks = 2 * ((100 + 30) // PS + 1) + 4
+    budget = TwoTierKV.device_overhead_bytes(probe) + chunks * probe.two_tier.pool.bytes_per_chunk()
+    s = sched(llama, kv_compressor="int8", max_running_requests=8, device_kv_budget=str(budget), **extra)
+    assert s.two_tier.pool.num_chunks == chunks
+    reqs = lambda: [make_request(f"r{i}", ids(100, 20 + i), max_new_tokens=30, temperature=0.0, ignore_eos=True)
+                    for i in range(6)]
+    want = run_to_completion(roomy, reqs())
+    got = run_to_completion(s, reqs(), max_steps=3000)
+    assert {k: v.output_ids for k, v in got.items()} == {k: v.output_ids for k, v in want.items()}

@@ -23,9 +23,16 @@ class PrefillAdder:
     def __init__(self, scheduler: Scheduler):
         self.s = scheduler
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.skip_next = False
 
     def on_retract(self) -> None:
         self.new_token_ratio = 1.0
+
+    def back_off(self) -> None:
+        """A prefill had to be undone for lack of memory: let the running requests decode once
+        before admitting again, so admission can never starve decoding."""
+        self.on_retract()
+        self.skip_next = True
 
     def reserve_for(self, req: Req) -> int:
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
@@ -35,6 +42,9 @@ class PrefillAdder:
         s = self.s
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if not s.waiting_queue and s.chunked_req is None:
+            return []
+        if self.skip_next and s.running:
+            self.skip_next = False
             return []
         ps = s.page_size
         avail = s.allocator.available_size() + s.tree_cache.evictable_size()
@@ -63,7 +73,8 @@ class PrefillAdder:
                 match = s.two_tier.usable_match(match)
             prefix_len = len(match.device_indices)
             remaining = req.prefill_target_len() - prefix_len
-            n = self.chunk_len(req, budget, avail - self.reserve_for(req), remaining)
+            # The matched prefix gets locked: it stops being evictable (counted conservatively).
+            n = self.chunk_len(req, budget, avail - prefix_len - self.reserve_for(req), remaining)
             if n <= 0:
                 break
             if s.two_tier is not None and not s.two_tier.can_admit(req, match, n, batch):

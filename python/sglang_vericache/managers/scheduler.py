@@ -343,6 +343,7 @@ class Scheduler:
                     if req is self.chunked_req:
                         self.chunked_req = None
                     self.retract(req)
+                    self.prefill_adder.back_off()
                     continue
             self.metrics.num_prompt_tokens_total += n
             if lp_rows:

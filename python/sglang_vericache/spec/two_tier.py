@@ -155,7 +155,10 @@ class TwoTierKV:
         if s.chunked_req is not None and all(r is not s.chunked_req for r, _ in batch):
             need += pages_left(s.chunked_req, len(s.chunked_req.comp_indices))
         need += len(s.running) * (1 + (s.server_args.max_draft_tokens + ps - 1) // ps)
-        return need <= self.pool.available_chunks() + s.tree_cache.comp_evictable_chunks()
+        # The matched chunks are about to be locked: they stop being evictable (conservatively
+        # assume they are evictable now, so they are not counted twice).
+        free = self.pool.available_chunks() + s.tree_cache.comp_evictable_chunks() - len(match.comp_indices)
+        return need <= free
 
     def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
