@@ -46,7 +46,6 @@ class PrefillAdder:
         if self.skip_next and s.running:
             self.skip_next = False
             return []
-        ps = s.page_size
         avail = s.allocator.available_size() + s.tree_cache.evictable_size()
         avail -= sum(self.reserve_for(r) for r in s.running)
         budget = s.server_args.max_prefill_tokens
