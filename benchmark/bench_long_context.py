@@ -17,6 +17,7 @@ timeline plot of link and compute activity for lock-step against staggered.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -50,7 +51,7 @@ def modes(args) -> dict[str, dict]:
     return {
         "full": {},
         "full-offload": dict(kv_offload=True, link_bandwidth=args.link_bandwidth, **host),
-        "lossy": dict(kv_compressor=args.compressor, kv_compression_ratio=args.ratio),
+        "lossy": dict(kv_compressor=args.compressor, kv_compression_ratio=args.ratio, **host),
         "vc-lockstep": dict(vericache_schedule="lockstep", **vc, **host),
         "vc-staggered": dict(vericache_schedule="staggered", **vc, **host),
     }
@@ -74,8 +75,14 @@ def run_mode(args, prompts, server: dict):
     stalls = sched.link.stager.stalls if sched.link is not None else []
     # Compute is busy during forwards, less the time they wait on the link for a layer.
     compute = sum(b - a for a, b, _ in sched.timeline) - sum(b - a for a, b in stalls)
+    stalls = list(stalls)
     link = sched.link.engine if sched.link is not None else None
     m = sched.metrics
+    timeline = sched.timeline
+    if sched.link is not None:
+        sched.link.engine.shutdown()
+    del sched, res  # free this mode's pools before the next mode builds its own
+    gc.collect()
     return {
         "tok_s": sum(len(o) for o in outputs) / wall,
         "wall_s": wall,
@@ -86,7 +93,7 @@ def run_mode(args, prompts, server: dict):
         "tokens_per_round": (m.spec_accepted_total + m.spec_rounds_total) / m.spec_rounds_total
         if m.spec_rounds_total else None,
         "max_running": getattr(sched, "peak_running", None),
-        "timeline": [(a - t0, b - t0, tag) for a, b, tag in sched.timeline],
+        "timeline": [(a - t0, b - t0, tag) for a, b, tag in timeline],
         "link_intervals": [(a - t0, b - t0) for a, b, *_ in (link.busy_intervals if link else [])],
         "stall_intervals": [(a - t0, b - t0) for a, b in stalls],
         "retracted": m.num_retracted_total,
@@ -129,7 +136,8 @@ def main() -> None:
                    help="Accelerator KV memory (default: exact KV of --full-fits requests).")
     p.add_argument("--full-fits", type=float, default=3.0,
                    help="How many requests' exact KV the default device budget holds.")
-    p.add_argument("--host-kv-budget", default="4GB", help="Host memory for the exact tier.")
+    p.add_argument("--host-kv-budget", default=None,
+                   help="Host memory for the exact tier (default: 1.5x the workload's exact KV).")
     p.add_argument("--link-bandwidth", default="1GB", help="Host->accelerator link, bytes/s.")
     p.add_argument("--compressor", default="snapkv", help="KV compressor for lossy and VeriCache.")
     p.add_argument("--ratio", type=float, default=4.0, help="Compression ratio.")
@@ -147,6 +155,9 @@ def main() -> None:
     mc = ModelConfig.from_path(args.model_path)
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * torch.empty(
         (), dtype=mc.dtype).element_size()
+    if args.host_kv_budget is None:
+        args.host_kv_budget = str(int(1.5 * args.num_requests * (args.input_len + args.output_len + args.page_size)
+                                      * per_token))
     if args.device_kv_budget is None:
         args.device_kv_budget = str(int(args.full_fits * (args.input_len + args.output_len + args.page_size) * per_token))
     all_modes = modes(args)

@@ -4,6 +4,7 @@ drives the scheduler in any KV mode, the machine's description, and result write
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import os
 import platform
@@ -108,6 +109,8 @@ class RunResult:
 def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None,
              **server) -> RunResult:
     """All prompts at once through an in-process scheduler in the given mode; greedy by default."""
+    # Pools sized to the workload: benchmarks build many schedulers in one process.
+    server.setdefault("max_total_tokens", sum(len(p) + max_new_tokens for p in prompts) + 64 * len(prompts))
     args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, **server)
     sched = Scheduler(args)
     sampling = sampling or {"temperature": 0.0}
@@ -124,7 +127,10 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "retracted": m.num_retracted_total,
         "round_trace": m.round_trace,
     }
-    return RunResult([res[f"p{i}"].output_ids for i in range(len(prompts))], seconds, metrics)
+    outputs = [res[f"p{i}"].output_ids for i in range(len(prompts))]
+    del sched  # its pools are large; free them before the next run builds its own
+    gc.collect()
+    return RunResult(outputs, seconds, metrics)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
