@@ -92,7 +92,6 @@ def run_mode(args, prompts, server: dict):
         "link_bytes": link.bytes_total if link else 0,
         "tokens_per_round": (m.spec_accepted_total + m.spec_rounds_total) / m.spec_rounds_total
         if m.spec_rounds_total else None,
-        "max_running": getattr(sched, "peak_running", None),
         "timeline": [(a - t0, b - t0, tag) for a, b, tag in timeline],
         "link_intervals": [(a - t0, b - t0) for a, b, *_ in (link.busy_intervals if link else [])],
         "stall_intervals": [(a - t0, b - t0) for a, b in stalls],
