@@ -35,7 +35,7 @@ def plot(rows: list[dict], ratio: float, path) -> None:
     ax.plot(xs, [x + 1 for x in xs], ls=":", c="grey", label="all accepted (X + 1)")
     ax.set_xlabel("draft tokens per round (X)")
     ax.set_ylabel("tokens emitted per round")
-    ax.set_title(f"VeriCache acceptance, token dropping at {ratio:g}x")
+    ax.set_title(f"VeriCache acceptance: token dropping at {ratio:g}x, quantizers at their own ratio")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
