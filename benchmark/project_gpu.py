@@ -47,7 +47,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sglang_vericache.spec.reservations import VerifyReservations
+from sglang_vericache.spec.reservations import VerifyReservations, split_by_budget
 from sglang_vericache.spec.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
 
 RESULTS = Path(__file__).parent / "results"
@@ -301,16 +301,7 @@ class Simulator:
 
     def split(self, group: list[SimReq]) -> list[list[SimReq]]:
         """spec/link.py Link.split: consecutive groups whose committed rows fit the staging area."""
-        out, cur, used = [], [], 0
-        for r in group:
-            if cur and used + r.committed > self.staging_tokens:
-                out.append(cur)
-                cur, used = [], 0
-            cur.append(r)
-            used += r.committed
-        if cur:
-            out.append(cur)
-        return out
+        return split_by_budget(group, lambda r: r.committed, self.staging_tokens)
 
     # -- full KV in HBM: one token per request per step
     def run_full(self, batch: int, n: int) -> Stats:

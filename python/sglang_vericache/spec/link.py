@@ -16,6 +16,7 @@ from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
 from sglang_vericache.model_executor.forward_batch import StagedVerify
 from sglang_vericache.server_args import parse_bytes
+from sglang_vericache.spec.reservations import split_by_budget
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
@@ -48,16 +49,7 @@ class Link:
 
     def split(self, group: list[Req]) -> list[list[Req]]:
         """Consecutive sub-groups whose committed prefixes each fit the staging area."""
-        out, cur, used = [], [], 0
-        for r in group:
-            if cur and used + r.kv_committed_len > self.max_tokens:
-                out.append(cur)
-                cur, used = [], 0
-            cur.append(r)
-            used += r.kv_committed_len
-        if cur:
-            out.append(cur)
-        return out
+        return split_by_budget(group, lambda r: r.kv_committed_len, self.max_tokens)
 
     def reset_stats(self) -> None:
         self.engine.reset_stats()
