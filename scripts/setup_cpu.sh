@@ -16,6 +16,7 @@ pip_install -e .
 pip_install --no-deps -r requirements/sglang-nodeps.txt
 if [ "${1:-}" = "--test" ]; then
   pip_install -r requirements/test.txt
+  bash scripts/start_redis.sh --install  # Debian's redis-server for the KV store tests
 fi
 .venv/bin/python -c "import torch, sglang_vericache; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
