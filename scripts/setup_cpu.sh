@@ -13,6 +13,7 @@ pip_install() {
 }
 pip_install -r requirements/torch-cpu.txt
 pip_install -e .
+pip_install -e sgl-kernel-ext
 pip_install --no-deps -r requirements/sglang-nodeps.txt
 if [ "${1:-}" = "--test" ]; then
   pip_install -r requirements/test.txt

@@ -1,0 +1,110 @@
+"""Pieces every attention kernel shares: launch helpers and the online-softmax block update.
+
++------------------------------------------------------------------------------------+
+| Partial results (flash decoding): a stage-1 program covers one split of one part   |
+| of one request's keys for the G query heads of one KV head, and writes            |
+|   o_part[b, h, p, :] = sum_j softmax-weight_j * v_j   (already divided by l)       |
+|   lse_part[b, h, p]   = m + log(l)    (-inf when the split holds no key)           |
+| at its partial index p = part offset + split. decode_merge combines the P partials. |
++------------------------------------------------------------------------------------+
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_SMS_GUESS = 132  # H100/H200; only sizes the default split count
+
+
+def is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_f32(q: torch.Tensor) -> bool:
+    """Run tl.dot in float32 (IEEE)? Always under the interpreter (its bf16/fp16 dot is wrong)
+    and for float32 queries; otherwise operands are cast to q's dtype (as the torch backend does)."""
+    return is_interpreting() or q.dtype == torch.float32
+
+
+def block_h(group: int) -> int:
+    """Query heads per program, padded to tl.dot's minimum of 16 rows."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def default_splits(batch: int, num_kv_heads: int, max_keys: int, block_n: int) -> int:
+    """Splits per request so that B * Hkv * splits fills the GPU about twice, <= key blocks."""
+    want = triton.cdiv(2 * NUM_SMS_GUESS, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max(1, max_keys), block_n), 64))
+
+
+def check_qkv(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """-> the GQA group size G = Hq / Hkv."""
+    assert q.shape[-1] == head_dim, f"q head_dim {q.shape[-1]} != kv head_dim {head_dim}"
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim: power of 2, >= 16"
+    assert q.shape[-2] % num_kv_heads == 0, f"{q.shape[-2]} q heads not a multiple of {num_kv_heads}"
+    return q.shape[-2] // num_kv_heads
+
+
+@triton.jit
+def online_softmax_block(q, k, v, valid, m_i, l_i, acc, sm_scale, DOT_F32: tl.constexpr):
+    """One key block of flash attention. q [M, D], k/v [N, D], valid [M, N] (False: masked).
+    State m_i/l_i [M] and acc [M, D] in float32; m_i starts at -1e30 (finite, so an all-masked
+    block leaves the state unchanged instead of making NaNs)."""
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = tl.where(valid, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partial(
+    o_part,
+    lse_part,
+    b,
+    h0,
+    p,
+    m_i,
+    l_i,
+    acc,
+    rows_ok,
+    stride_ob,
+    stride_oh,
+    stride_op,
+    stride_lb,
+    stride_lh,
+    stride_lp,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Writes rows h0 + [0, BLOCK_H) (where rows_ok) of partial p; see the box above."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = o_part + b * stride_ob + (h0 + offs_h)[:, None] * stride_oh + p * stride_op + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=rows_ok[:, None])
+    tl.store(lse_part + b * stride_lb + (h0 + offs_h) * stride_lh + p * stride_lp, lse, mask=rows_ok)
+
+
+def new_partials(
+    batch: int, num_heads: int, num_partials: int, head_dim: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty((batch, num_heads, num_partials, head_dim), dtype=torch.float32, device=device)
+    lse = torch.empty((batch, num_heads, num_partials), dtype=torch.float32, device=device)
+    return o, lse

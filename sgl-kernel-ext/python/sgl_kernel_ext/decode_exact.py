@@ -1,0 +1,195 @@
+"""(a) Paged decode attention over exact KV: one query token per request, GQA, split-K.
+
+Keys of request b are the slots table[rows[b], starts[b] : starts[b] + lens[b]] of the
+per-layer K/V buffers [num_slots, Hkv, D] (SGLang's req_to_token layout: any page size,
+partly filled last pages included, since the table names every token's slot). Query head h
+reads KV head h // G. The same stage-1 kernel computes the exact tail of the compressed
+decode kernels (starts = first tail position).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext._common import (
+    block_h,
+    check_qkv,
+    default_splits,
+    dot_f32,
+    new_partials,
+    online_softmax_block,
+    store_partial,
+)
+from sgl_kernel_ext.decode_merge import merge_partials
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _exact_part_kernel(
+    q,
+    k_buf,
+    v_buf,
+    table,
+    rows,
+    starts,
+    lens,
+    o_part,
+    lse_part,
+    part_offset,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_t,
+    stride_ob,
+    stride_oh,
+    stride_op,
+    stride_lb,
+    stride_lh,
+    stride_lp,
+    G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens + b).to(tl.int32)
+    start = tl.load(starts + b).to(tl.int64)
+    row = tl.load(rows + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, length)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    rows_ok = offs_h < G
+    h0 = kvh * G
+    qv = tl.load(
+        q + b * stride_qb + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        mask=rows_ok[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < hi
+        slot = tl.load(table + row * stride_t + start + offs_n, mask=ok, other=0).to(tl.int64)
+        kv = tl.load(
+            k_buf + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=ok[:, None], other=0.0
+        )
+        vv = tl.load(
+            v_buf + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=ok[:, None], other=0.0
+        )
+        m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
+    store_partial(
+        o_part,
+        lse_part,
+        b,
+        h0,
+        part_offset + split,
+        m_i,
+        l_i,
+        acc,
+        rows_ok,
+        stride_ob,
+        stride_oh,
+        stride_op,
+        stride_lb,
+        stride_lh,
+        stride_lp,
+        BLOCK_H,
+        D,
+    )
+
+
+def exact_part(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    part_offset: int,
+    num_splits: int,
+    sm_scale: float,
+) -> None:
+    """Stage 1 over table[rows[b], starts[b]:starts[b]+lens[b]] into partials [offset, offset+splits)."""
+    hkv, d = k_buffer.shape[1], k_buffer.shape[2]
+    g = check_qkv(q, hkv, d)
+    assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and q.stride(-1) == 1 and table.stride(1) == 1
+    _exact_part_kernel[(q.shape[0], hkv, num_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        table,
+        rows,
+        starts,
+        lens,
+        o_part,
+        lse_part,
+        part_offset,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        table.stride(0),
+        *o_part.stride()[:3],
+        *lse_part.stride(),
+        G=g,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=block_h(g),
+        BLOCK_N=BLOCK_N,
+        D=d,
+        DOT_F32=dot_f32(q),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_buffer: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buffer: torch.Tensor,  # [num_slots, Hkv, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int slots
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B] >= 1
+    sm_scale: float | None = None,
+    num_kv_splits: int | None = None,  # None: from seq_lens.max() (a host sync)
+) -> torch.Tensor:
+    """-> [B, Hq, D] in q's dtype: softmax(q k^T * sm_scale) v over each request's seq_len keys."""
+    bs, nh, d = q.shape
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    splits = num_kv_splits or default_splits(bs, k_buffer.shape[1], int(seq_lens.max()), BLOCK_N)
+    o_part, lse_part = new_partials(bs, nh, splits, d, q.device)
+    zeros = torch.zeros_like(seq_lens)
+    exact_part(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        zeros,
+        seq_lens,
+        o_part,
+        lse_part,
+        0,
+        splits,
+        scale,
+    )
+    return merge_partials(o_part, lse_part, torch.empty_like(q))

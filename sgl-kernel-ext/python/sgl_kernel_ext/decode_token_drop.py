@@ -1,0 +1,186 @@
+"""(b) Decode attention over token-dropped compressed KV plus an exact tail.
+
+Context of request b = [the rows of chunks chunk_ids[b, :num_chunks[b]], in that order |
+exact tail req_to_token[req, tail_starts[b] : tail_starts[b] + tail_lens[b]]].
+
+Compressed layout (sglang_vericache compress/token_drop.py, one pool buffer per layer):
+  k_rows, v_rows [num_chunks + 1, R, Hkv, D] exact dtype; row j of head h = head h's j-th kept
+  token of that chunk (chunk id 0 = padding). The chunk's `idx` [.., R, Hkv] int16 (which
+  chunk token each row was) is not read: K is stored post-RoPE, so attention needs only the rows.
+A chunk's R rows per head are keys R consecutive context positions; the kernel walks the
+virtual sequence n = c * R + j of (chunk c, row j), BLOCK_N rows at a time across chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext._common import (
+    block_h,
+    check_qkv,
+    default_splits,
+    dot_f32,
+    new_partials,
+    online_softmax_block,
+    store_partial,
+)
+from sgl_kernel_ext.decode_exact import exact_part
+from sgl_kernel_ext.decode_merge import merge_partials
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _token_drop_part_kernel(
+    q,
+    k_rows,
+    v_rows,
+    chunk_ids,
+    num_chunks,
+    o_part,
+    lse_part,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kc,
+    stride_kr,
+    stride_kh,
+    stride_vc,
+    stride_vr,
+    stride_vh,
+    stride_cb,
+    stride_ob,
+    stride_oh,
+    stride_op,
+    stride_lb,
+    stride_lh,
+    stride_lp,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(num_chunks + b).to(tl.int32) * R
+    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, length)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    rows_ok = offs_h < G
+    h0 = kvh * G
+    qv = tl.load(
+        q + b * stride_qb + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        mask=rows_ok[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < hi
+        cid = tl.load(chunk_ids + b * stride_cb + offs_n // R, mask=ok, other=0).to(tl.int64)
+        j = offs_n % R
+        k_ptrs = (
+            k_rows + cid[:, None] * stride_kc + j[:, None] * stride_kr + kvh * stride_kh + offs_d[None, :]
+        )
+        v_ptrs = (
+            v_rows + cid[:, None] * stride_vc + j[:, None] * stride_vr + kvh * stride_vh + offs_d[None, :]
+        )
+        kv = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
+        vv = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
+        m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
+    store_partial(
+        o_part,
+        lse_part,
+        b,
+        h0,
+        split,
+        m_i,
+        l_i,
+        acc,
+        rows_ok,
+        stride_ob,
+        stride_oh,
+        stride_op,
+        stride_lb,
+        stride_lh,
+        stride_lp,
+        BLOCK_H,
+        D,
+    )
+
+
+def token_drop_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_rows: torch.Tensor,  # [num_chunks + 1, R, Hkv, D] the layer's compressed pool buffer "k"
+    v_rows: torch.Tensor,  # [num_chunks + 1, R, Hkv, D] ... "v"
+    chunk_ids: torch.Tensor,  # [B, C_max] int, 0 = padding
+    num_chunks: torch.Tensor,  # [B] chunks of each request
+    k_buffer: torch.Tensor,  # [num_slots, Hkv, D] exact tier
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,  # [R_pool, max_context]
+    req_pool_indices: torch.Tensor,  # [B]
+    tail_starts: torch.Tensor,  # [B] first tail position (= num_chunks * chunk_size in VeriCache)
+    tail_lens: torch.Tensor,  # [B]; num_chunks[b] * R + tail_lens[b] >= 1
+    sm_scale: float | None = None,
+    num_kv_splits: int | None = None,  # splits of the compressed part (None: from num_chunks.max())
+    num_tail_splits: int = 1,
+) -> torch.Tensor:
+    """-> [B, Hq, D] in q's dtype."""
+    bs, nh, d = q.shape
+    _, rows, hkv, _ = k_rows.shape
+    g = check_qkv(q, hkv, d)
+    assert k_rows.shape == v_rows.shape and k_rows.stride(3) == 1 and v_rows.stride(3) == 1
+    assert chunk_ids.stride(1) == 1
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * rows, BLOCK_N)
+    o_part, lse_part = new_partials(bs, nh, splits + num_tail_splits, d, q.device)
+    _token_drop_part_kernel[(bs, hkv, splits)](
+        q,
+        k_rows,
+        v_rows,
+        chunk_ids,
+        num_chunks,
+        o_part,
+        lse_part,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        *k_rows.stride()[:3],
+        *v_rows.stride()[:3],
+        chunk_ids.stride(0),
+        *o_part.stride()[:3],
+        *lse_part.stride(),
+        R=rows,
+        G=g,
+        NUM_SPLITS=splits,
+        BLOCK_H=block_h(g),
+        BLOCK_N=BLOCK_N,
+        D=d,
+        DOT_F32=dot_f32(q),
+    )
+    exact_part(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        tail_starts,
+        tail_lens,
+        o_part,
+        lse_part,
+        splits,
+        num_tail_splits,
+        scale,
+    )
+    return merge_partials(o_part, lse_part, torch.empty_like(q))
