@@ -56,7 +56,7 @@ def test_unsupported_architecture_lists_supported_ones():
 
 
 def test_unknown_attention_backend_lists_available_ones():
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; available: \['torch'\]"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; available: \['flashinfer', 'torch', 'triton'\]"):
         get_attention_backend_class("flash")
 
 

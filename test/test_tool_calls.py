@@ -14,7 +14,7 @@ import pytest
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Tool
 
 from sglang_vericache.entrypoints.openai.serving_chat import make_choice, stream_chunks
-from sglang_vericache.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls
+from sglang_vericache.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, parse_tool_calls
 
 WEATHER = {
     "type": "function",
@@ -24,6 +24,7 @@ WEATHER = {
     },
 }
 TOOLS = [Tool.model_validate(WEATHER)]
+AUTO = ToolPlan(TOOLS)  # tool_choice "auto": the qwen25 parser reads the output
 CALL_TEXT = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # The same text as a model streams it, one token-ish piece per event.
 PIECES = [
@@ -52,7 +53,7 @@ def native_out(text: str, finish: dict | None, index: int | None = None, tokens:
 
 
 def test_parse_tool_calls_splits_content_and_calls():
-    content, calls = parse_tool_calls("qwen25", TOOLS, CALL_TEXT)
+    content, calls = parse_tool_calls("qwen25", AUTO, CALL_TEXT)
     assert content == "Let me check."
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].type == "function"
     assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
@@ -61,21 +62,21 @@ def test_parse_tool_calls_splits_content_and_calls():
 
 
 def test_text_without_a_call_stays_content():
-    assert parse_tool_calls("qwen25", TOOLS, "just text") == ("just text", [])
+    assert parse_tool_calls("qwen25", AUTO, "just text") == ("just text", [])
 
 
 def test_non_stream_choice_reports_tool_calls_finish_reason():
     req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER])
-    choice = make_choice(req, 0, native_out(CALL_TEXT, {"type": "stop", "matched": 1}), "qwen25", TOOLS)
+    choice = make_choice(req, 0, native_out(CALL_TEXT, {"type": "stop", "matched": 1}), "qwen25", AUTO)
     assert choice.finish_reason == "tool_calls" and choice.matched_stop is None
     assert choice.message.content == "Let me check."
     assert choice.message.tool_calls[0].function.name == "get_weather"
-    length_cut = make_choice(req, 0, native_out(CALL_TEXT, {"type": "length", "length": 9}), "qwen25", TOOLS)
+    length_cut = make_choice(req, 0, native_out(CALL_TEXT, {"type": "length", "length": 9}), "qwen25", AUTO)
     assert length_cut.finish_reason == "length"
 
 
 def test_tool_call_stream_gives_id_and_name_once_then_arguments():
-    stream = ToolCallStream("qwen25", TOOLS)
+    stream = ToolCallStream("qwen25", AUTO)
     content, deltas = "", []
     for piece in PIECES:
         text, calls = stream.feed(piece)
@@ -105,7 +106,7 @@ def test_chat_stream_chunks_carry_tool_call_deltas():
         lines = [
             line
             async for line in stream_chunks(
-                req, gen(), events[0], "id", 0, "m", lambda: ToolCallStream("qwen25", TOOLS)
+                req, gen(), events[0], "id", 0, "m", lambda: ToolCallStream("qwen25", AUTO)
             )
         ]
         assert lines[-1] == b"data: [DONE]\n\n"
@@ -151,13 +152,6 @@ def test_auto_tool_choice_is_served(client, default_model_dir):
         )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
-
-
-def test_required_tool_choice_is_refused_without_constrained_decoding(client, default_model_dir):
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(
-            model=default_model_dir, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=4
-        )
 
 
 def test_tools_without_a_tool_call_parser_are_refused(server, default_model_dir):

@@ -13,6 +13,32 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2", "kivi4", "int8", "fp8")
 
 
+KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
+KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
+DISAGG_ROLES = ("none", "drafter", "verifier")  # dual-instance VeriCache (issue 8, disagg/)
+
+
+def default_kv_store_path() -> str:
+    """Where --kv-store file keeps its pages when --kv-store-path is not given."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "sglang-vericache", "kv-store")
+
+
+def check_redis_url(url: str) -> None:
+    """Raises ValueError naming the flag unless url is a Redis URL redis-py can connect with."""
+    from urllib.parse import urlparse
+
+    try:
+        u = urlparse(url)
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"--kv-store-url {url!r} is not a valid URL: {e}") from None
+    ok = (u.scheme in ("redis", "rediss") and bool(u.hostname)) or (u.scheme == "unix" and bool(u.path))
+    db = u.path.strip("/") if u.scheme != "unix" else ""
+    if not ok or (db and not db.isdigit()) or port == 0:
+        raise ValueError(f"--kv-store-url must look like redis://HOST:PORT/DB (or rediss://, unix://PATH), got {url!r}")
+
+
 def default_model_path() -> str:
     """The bundled code model that ships inside the package."""
     return os.path.join(os.path.dirname(__file__), "assets", "vericache-code-tiny")
@@ -57,6 +83,21 @@ class ServerArgs:
     kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
     link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
 
+    # KV store (issue 8): prompt KV pages in a shared store, found by prefix hash chains.
+    kv_store: str = "none"  # none | file | redis
+    kv_store_path: str | None = None  # file store directory (default: default_kv_store_path())
+    kv_store_url: str = "redis://127.0.0.1:6379/0"
+    kv_store_capacity: str | None = None  # bytes ("4GB"); None = unlimited
+    kv_store_bandwidth: str | None = None  # bytes/s of the instance<->store link; None = unthrottled
+    kv_store_timeout: float = 1.0  # seconds per store call before it counts as down
+    kv_store_tiers: str = "auto"  # auto | exact | compressed | both
+
+    # Dual-instance VeriCache (issue 8, disagg/): a drafter instance verifies over ZMQ on a verifier.
+    disagg_role: str = "none"  # none | drafter | verifier
+    verifier_addr: str | None = None  # drafter: tcp://HOST:PORT of the verifier
+    disagg_port: int | None = None  # verifier: the TCP port it binds (on --host)
+    disagg_timeout: float = 10.0  # seconds of silence before the peer counts as gone
+
     # Sampling defaults.
     random_seed: int = 0
 
@@ -95,6 +136,18 @@ class ServerArgs:
         return self.kv_offload or (self.kv_mode == "vericache" and (self.link_bandwidth is not None or self.staggered))
 
     @property
+    def kv_store_tier_set(self) -> tuple[str, ...]:
+        """Tiers written to and loaded from the KV store. auto: exact in full mode, both in the
+        two-tier modes (a tree node always holds exact KV, and prefilling the rest of a prompt
+        attends over the exact prefix, so lossy needs exact pages too)."""
+        if self.kv_store == "none":
+            return ()
+        tiers = self.kv_store_tiers
+        if tiers == "auto":
+            tiers = "exact" if self.kv_mode == "full" else "both"
+        return ("exact", "compressed") if tiers == "both" else (tiers,)
+
+    @property
     def max_draft_tokens(self) -> int:
         return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
 
@@ -123,6 +176,8 @@ class ServerArgs:
                 parse_bytes(getattr(self, name), "--" + name.replace("_", "-"))
         if self.link_bandwidth is not None and parse_bytes(self.link_bandwidth) <= 0:
             raise ValueError(f"--link-bandwidth must be > 0 bytes/s, got {self.link_bandwidth!r}")
+        self.validate_kv_store()
+        self.validate_disagg()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.stream_interval < 1:
@@ -137,6 +192,66 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
+
+    def validate_kv_store(self) -> None:
+        if self.kv_store not in KV_STORE_KINDS:
+            raise ValueError(f"--kv-store must be one of {', '.join(KV_STORE_KINDS)}, got {self.kv_store!r}")
+        if self.kv_store_tiers not in KV_STORE_TIERS:
+            raise ValueError(f"--kv-store-tiers must be one of {', '.join(KV_STORE_TIERS)}, got {self.kv_store_tiers!r}")
+        if self.kv_store_path is not None and self.kv_store != "file":
+            raise ValueError(f"--kv-store-path is for --kv-store file (got --kv-store {self.kv_store})")
+        if self.kv_store == "none":
+            return
+        if self.kv_store == "file" and not self.kv_store_path:
+            self.kv_store_path = default_kv_store_path()
+        if self.kv_store == "redis":
+            check_redis_url(self.kv_store_url)
+        for name in ("kv_store_capacity", "kv_store_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and parse_bytes(value, "--" + name.replace("_", "-")) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+        if not self.kv_store_timeout > 0:
+            raise ValueError(f"--kv-store-timeout must be > 0 seconds, got {self.kv_store_timeout}")
+        if self.kv_mode == "full" and self.kv_store_tiers in ("compressed", "both"):
+            raise ValueError(f"--kv-store-tiers {self.kv_store_tiers} needs a compressed tier (--kv-compressor); "
+                             "full mode stores only the exact tier")
+
+    def validate_disagg(self) -> None:
+        """Dual-instance mode (disagg/): what each role needs, and what it cannot combine with."""
+        role = self.disagg_role
+        if role not in DISAGG_ROLES:
+            raise ValueError(f"--disagg-role must be one of {', '.join(DISAGG_ROLES)}, got {role!r}")
+        if not self.disagg_timeout > 0:
+            raise ValueError(f"--disagg-timeout must be > 0 seconds, got {self.disagg_timeout}")
+        if self.verifier_addr is not None and role != "drafter":
+            raise ValueError("--verifier-addr is for --disagg-role drafter")
+        if self.disagg_port is not None and role != "verifier":
+            raise ValueError("--disagg-port is for --disagg-role verifier")
+        if role == "drafter":
+            from urllib.parse import urlparse
+
+            addr = self.verifier_addr
+            if addr is None:
+                raise ValueError("--disagg-role drafter needs --verifier-addr tcp://HOST:PORT")
+            try:
+                u = urlparse(addr)
+                ok = u.scheme == "tcp" and bool(u.hostname) and u.port is not None and u.port > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--verifier-addr must look like tcp://HOST:PORT, got {addr!r}")
+            if self.kv_mode != "vericache":
+                raise ValueError("--disagg-role drafter drafts: it needs --speculative-algorithm VERICACHE "
+                                 "and a --kv-compressor")
+            if self.uses_link:
+                raise ValueError("--disagg-role drafter verifies remotely: --link-bandwidth, --vericache-schedule "
+                                 "staggered and --kv-offload do not apply")
+        if role == "verifier":
+            if self.disagg_port is None or not 0 < self.disagg_port < 65536:
+                raise ValueError(f"--disagg-role verifier needs --disagg-port 1..65535, got {self.disagg_port}")
+            if self.kv_mode != "full" or self.kv_offload:
+                raise ValueError("--disagg-role verifier keeps exact KV only: drop --kv-compressor, "
+                                 "--speculative-algorithm and --kv-offload")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -201,10 +316,42 @@ class ServerArgs:
                  "accelerator; also the longest context a request may have when exact KV is streamed.")
         add("--kv-offload", action="store_true",
             help="Baseline: full mode with exact KV in host memory, streamed over the link at every step.")
+        add("--kv-store", type=str, default=d["kv_store"].default, choices=KV_STORE_KINDS,
+            help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
+                 "directory on this host), redis (a Redis server), none. Store trouble never fails a request: "
+                 "the prefix is recomputed.")
+        add("--kv-store-path", type=str, default=None,
+            help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
+                 "/sglang-vericache/kv-store).")
+        add("--kv-store-url", type=str, default=d["kv_store_url"].default,
+            help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or unix://PATH.")
+        add("--kv-store-capacity", type=str, default=None,
+            help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
+                 "Default: unlimited.")
+        add("--kv-store-bandwidth", type=str, default=None,
+            help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
+                 "between this instance and the store. Default: unthrottled.")
+        add("--kv-store-timeout", type=float, default=d["kv_store_timeout"].default,
+            help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
+                 "with a warning, and retried later).")
+        add("--kv-store-tiers", type=str, default=d["kv_store_tiers"].default, choices=KV_STORE_TIERS,
+            help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
+                 "both in lossy and VeriCache modes).")
+        add("--disagg-role", type=str, default=d["disagg_role"].default, choices=DISAGG_ROLES,
+            help="Dual-instance VeriCache: 'drafter' serves clients and drafts over compressed KV, verifying on "
+                 "the verifier at --verifier-addr; 'verifier' holds exact KV and verifies drafters' runs "
+                 "(no HTTP server; listens on --host:--disagg-port). Start the verifier first.")
+        add("--verifier-addr", type=str, default=None,
+            help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT.")
+        add("--disagg-port", type=int, default=None, help="Verifier: the TCP port drafters connect to.")
+        add("--disagg-timeout", type=float, default=d["disagg_timeout"].default,
+            help="Seconds without an answer before the drafter fails the requests the verifier held (and "
+                 "without a message before the verifier drops a drafter's sessions).")
         add("--random-seed", type=int, default=d["random_seed"].default,
             help="Seed for the server's random choices (seeds of unseeded requests).")
         add("--attention-backend", type=str, default=d["attention_backend"].default,
-            help="Attention backend: torch (reference, CPU and CUDA).")
+            help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
+                 "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
         add("--num-threads", type=int, default=None, help="torch intra-op threads in the scheduler process.")
         add("--tool-call-parser", type=str, default=None,
             help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")

@@ -70,6 +70,23 @@ _EXTRA_HELP = {
     "compressed_chunks_cached": "Compressed-tier chunks held by the prefix cache.",
     "compressed_bytes_per_chunk": "Bytes one compressed chunk takes (all layers).",
     "compressed_prefix_hit_rate": "Share of queried prompt tokens whose compressed KV came from the cache.",
+    # KV store (--kv-store): per tier (exact, compressed) and for the store as a whole.
+    **{f"kv_store_{tier}_{name}_total": f"KV store, {tier} tier: {text}"
+       for tier in ("exact", "compressed") for name, text in (
+           ("pages_hit", "pages loaded into the KV pools."),
+           ("pages_missed", "pages past the prefix-cache match the store lacked (or held corrupted)."),
+           ("pages_skipped", "stored pages not loaded for lack of KV pool room."),
+           ("pages_written", "pages written through after prefill."),
+           ("bytes_read", "bytes read from the store."),
+           ("bytes_written", "bytes written to the store."),
+           ("read_seconds", "seconds spent looking up and loading pages."),
+           ("write_seconds", "seconds spent writing pages through."))},
+    "kv_store_loaded_tokens_total": "Prompt tokens whose exact KV was loaded from the KV store.",
+    "kv_store_errors_total": "KV store calls that failed (each served as a miss: the prefix is recomputed).",
+    "kv_store_evictions_total": "KV store entries this instance evicted to stay within --kv-store-capacity.",
+    "kv_store_throttle_seconds_total": "Seconds KV store transfers waited on --kv-store-bandwidth.",
+    "kv_store_corrupt_pages_total": "KV store pages found corrupted (deleted; their prefix was recomputed).",
+    "kv_store_down": "1 while the KV store is unreachable (requests recompute prefixes), else 0.",
 }
 
 

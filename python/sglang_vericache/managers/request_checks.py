@@ -47,7 +47,9 @@ def check_features(params: SamplingParams, lim: Limits) -> None:
     """Rejects what the scheduler would otherwise drop silently or choke on."""
     for name in ("regex", "json_schema", "ebnf"):
         if getattr(params, name) is not None and not lim.supports_grammar:
-            raise InvalidRequest(f"constrained decoding ({name}) is not supported by this server yet")
+            raise InvalidRequest(
+                f"constrained decoding ({name}) needs the tokenizer; this server runs with --skip-tokenizer-init"
+            )
     if (params.stop or params.stop_regex) and not lim.has_tokenizer:
         raise InvalidRequest("stop strings need a tokenizer; this server runs with --skip-tokenizer-init")
     if params.logit_bias is not None:

@@ -64,6 +64,10 @@ class Req:
     # VeriCache: this round's drafts and how many it aims for.
     drafts: list[int] = field(default_factory=list)
     draft_target: int = 0
+    # Constrained decoding (constrained/grammar.py): the matcher, and the bitmask each draft was
+    # sampled under (row i of this round's verification uses draft_masks[i]).
+    grammar: object = None
+    draft_masks: list = field(default_factory=list)
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReqInput) -> Req:
@@ -123,7 +127,10 @@ class Req:
         self.comp_indices = _EMPTY
         self.comp_prefix_len = 0
         self.q_hist = {}
+        if self.grammar is not None:
+            self.grammar.rollback(len(self.drafts))
         self.drafts = []
+        self.draft_masks = []
         self.draft_target = 0
         self.num_retractions += 1
 
@@ -141,9 +148,14 @@ class Req:
         if self.seqlen >= context_len:
             self.finished_reason = {"type": "length", "length": n_out}
             return
-        if n_out < sp.min_new_tokens or n_out == 0:
+        if n_out == 0:
             return
         last = self.output_ids[-1]
+        if self.grammar is not None and last in self.grammar.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}  # the grammar is complete
+            return
+        if n_out < sp.min_new_tokens:
+            return
         if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos_token_ids):
             self.finished_reason = {"type": "stop", "matched": last}
             return

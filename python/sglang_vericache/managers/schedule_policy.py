@@ -66,6 +66,10 @@ class PrefillAdder:
             if len(s.running) + len(batch) >= s.server_args.max_running_requests:
                 break
             req = s.waiting_queue[0]
+            if s.prefix_store is not None:
+                # KV store: extend the tree's match with stored pages (inserted into the tree, so
+                # the match below finds them and they count as a locked prefix like any other).
+                s.prefix_store.lookup_into(req, room=avail - self.reserve_for(req))
             key = req.fill_ids[: req.max_prefix_len()]
             match = s.tree_cache.match_prefix(key, record_stats=False)
             if s.two_tier is not None:

@@ -19,6 +19,7 @@ from collections import deque
 import torch
 import zmq
 
+from sglang_vericache.constrained.grammar_backend import grammar_key
 from sglang_vericache.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -36,6 +37,7 @@ from sglang_vericache.managers.stats import SchedulerMetrics
 from sglang_vericache.mem_cache.radix_cache import RadixCache
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
+from sglang_vericache.sampling.sampling_params import InvalidRequest
 from sglang_vericache.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 
                 self.spec_worker = VeriCacheWorker(self)
+        # KV store (--kv-store, issue 8): prefix pages shared across instances; see prefix_store.py.
+        self.prefix_store = None
+        if server_args.kv_store != "none":
+            from sglang_vericache.mem_cache.prefix_store import PrefixStore
+
+            self.prefix_store = PrefixStore(self)
         self.link = self.stagger = None
         if server_args.uses_link:
             from sglang_vericache.spec.link import Link
@@ -88,6 +96,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammar_backend = None  # xgrammar needs the tokenizer's vocabulary
+        if self.tokenizer is not None:
+            from sglang_vericache.constrained.grammar_backend import GrammarBackend
+
+            self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
         from sglang_vericache.layers.sampler import Sampler
 
@@ -135,6 +148,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 "dtype": str(mc.dtype).replace("torch.", ""),
                 "num_hidden_layers": mc.num_hidden_layers,
                 "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
+                "grammar_backend": "xgrammar" if self.grammar_backend is not None else None,
                 **self.tier_info(),
             },
         )
@@ -160,6 +174,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 "bytes": pool.num_chunks * pool.bytes_per_chunk(),
                 "effective_ratio": round(self.two_tier.compressor.effective_ratio(), 3),
             }
+        if self.prefix_store is not None:
+            info["kv_store"] = self.prefix_store.info()
         if self.spec_worker is not None:
             info["speculative_algorithm"] = "VERICACHE"
             info["speculative_num_draft_tokens"] = self.server_args.speculative_num_draft_tokens
@@ -214,7 +230,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 f"the request needs {n_in} prompt + {r.sampling_params.max_new_tokens} new tokens, "
                 f"more than the {self.max_req_len} tokens a request may have",
             )
-        self.waiting_queue.append(Req.from_input(r))
+        req = Req.from_input(r)
+        if grammar_key(r.sampling_params) is not None:
+            if self.grammar_backend is None:
+                return SchedulerError(r.rid, "constrained decoding needs a tokenizer (--skip-tokenizer-init is set)")
+            try:
+                req.grammar = self.grammar_backend.new_grammar(r.sampling_params)
+            except InvalidRequest as e:
+                return SchedulerError(r.rid, str(e))
+        self.waiting_queue.append(req)
         self.metrics.num_requests_total += 1
         return None
 
@@ -354,6 +378,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if req is self.chunked_req:
                 self.chunked_req = None
             req.input_logprobs_done = True
+            if self.prefix_store is not None:  # KV store write-through: once, when the prefill completes
+                self.prefix_store.write_through(req)
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
                 self.release(req)

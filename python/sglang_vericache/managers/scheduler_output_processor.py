@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_vericache.constrained.grammar import vocab_mask
 from sglang_vericache.managers.io_struct import BatchTokenIDOut, ReqOutput
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class SchedulerOutputProcessorMixin:
             for r in reqs
         ]
         info = SamplingBatchInfo.from_rows(rows, self.vocab_size, logits.device, self.eos_token_ids)
+        info.vocab_mask = vocab_mask([r.grammar and r.grammar.next_bitmask() for r in reqs], self.vocab_size)
         want_lp = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         out = self.sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
@@ -56,10 +58,23 @@ class SchedulerOutputProcessorMixin:
             vals, idx = out.top_logprobs
             tops = (vals.tolist(), idx.tolist())
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            if req.grammar is not None and not req.grammar.accept(tok):
+                self.grammar_dead_end(req)
+                continue
             self.append_tokens(req, [tok], lps[i : i + 1] if lps else None, tops, i)
             if req not in self.running and not req.finished:
                 self.running.append(req)
         self.finish_round(reqs)
+
+    def grammar_dead_end(self, req: Req) -> None:
+        """req's grammar refused a token sampled under its own mask: the mask left nothing to
+        sample (e.g. min_new_tokens bans the EOS the grammar requires). The request ends with an
+        error rather than an output that breaks the grammar."""
+        req.finished_reason = {
+            "type": "abort",
+            "message": "constrained decoding reached a dead end: the grammar allows no token here "
+            "(min_new_tokens may forbid the end of the grammar)",
+        }
 
     def append_tokens(self, req: Req, tokens: list[int], lps: list[float] | None, tops, row: int) -> int:
         """Emits tokens in order until one finishes the request; returns how many were emitted.

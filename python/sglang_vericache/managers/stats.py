@@ -68,6 +68,7 @@ class SchedulerMetrics:
             extra={
                 "kv_mode": s.mode,
                 **self.two_tier_extra(s),
+                **(s.prefix_store.metrics() if getattr(s, "prefix_store", None) is not None else {}),
                 "num_finished_total": self.num_finished_total,
                 "evictable_tokens": s.tree_cache.evictable_size(),
                 "free_tokens": s.allocator.available_size(),

@@ -106,6 +106,12 @@ class TokenizerManager:
             # The scheduler advertises a grammar backend in SchedulerReady.server_info once it has one.
             supports_grammar=bool((ready.server_info or {}).get("grammar_backend")),
         )
+        self.grammar_backend = None  # compiles constraints to reject a bad one before any work
+        if self.limits.supports_grammar and self.tokenizer is not None:
+            from sglang_vericache.constrained.grammar_backend import GrammarBackend
+
+            eos = self.tokenizer.eos_token_id
+            self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, [] if eos is None else [eos])
         self.rng = random.Random(server_args.random_seed)
         self.stream_interval = server_args.stream_interval
         self.rid_to_state: dict[str, ReqState] = {}
@@ -235,6 +241,8 @@ class TokenizerManager:
             params = SamplingParams.from_dict(obj.item("sampling_params", i))
             params.verify(self.vocab_size)
             check_features(params, self.limits)
+            if self.grammar_backend is not None:
+                self.grammar_backend.validate(params)
             check_prompt(input_ids, params.max_new_tokens, self.limits)
             return_logprob = bool(obj.item("return_logprob", i))
             start = check_logprob_start_len(obj.item("logprob_start_len", i), len(input_ids))

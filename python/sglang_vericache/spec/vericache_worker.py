@@ -27,6 +27,7 @@ import torch
 
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardMode
+from sglang_vericache.constrained.grammar import vocab_mask
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
 from sglang_vericache.spec.acceptance import DraftLengthPolicy, accepted_length
 
@@ -80,6 +81,7 @@ class VeriCacheWorker:
 
     def start_round(self, req: Req) -> None:
         req.drafts = []
+        req.draft_masks = []
         req.draft_target = self.draft_len(req)
 
     def is_drafting(self, req: Req) -> bool:
@@ -100,6 +102,8 @@ class VeriCacheWorker:
         sp = req.sampling_params
         if len(req.output_ids) + len(d) < sp.min_new_tokens:
             return False
+        if req.grammar is not None and req.grammar.terminated:
+            return True
         return d[-1] in sp.stop_token_ids or (not sp.ignore_eos and d[-1] in self.s.eos_token_ids)
 
     # ------------------------------------------------------------------ draft step
@@ -127,7 +131,14 @@ class VeriCacheWorker:
             for r in group
         ]
         info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
-        for r, tok in zip(group, s.sampler(logits, info).next_token_ids.tolist()):
+        masks = [r.grammar and r.grammar.next_bitmask() for r in group]
+        info.vocab_mask = vocab_mask(masks, s.vocab_size)
+        for r, tok, mask in zip(group, s.sampler(logits, info).next_token_ids.tolist(), masks):
+            if r.grammar is not None:
+                if not r.grammar.accept(tok):  # nothing allowed: stop drafting, verify decides
+                    r.draft_target = len(r.drafts)
+                    continue
+                r.draft_masks.append(mask)  # the verifier's row for this draft uses the same mask
             r.drafts.append(tok)
 
     def draft_slots(self, req: Req, n: int) -> torch.Tensor:
@@ -171,13 +182,21 @@ class VeriCacheWorker:
             n_rows = len(d) + 1
             j = accepted_length(d, targets[row : row + n_rows])
             emitted = d[:j] + [targets[row + j]]
+            dead_end = False
+            if req.grammar is not None:  # back to the accepted prefix, then the verifier's token
+                req.grammar.rollback(len(d) - j)
+                if not req.grammar.terminated and not req.grammar.accept(targets[row + j]):
+                    emitted, dead_end = d[:j], True
             m = s.append_tokens(req, emitted, logprobs[row : row + n_rows] if logprobs else None, tops, row)
+            if dead_end and not req.finished:
+                s.grammar_dead_end(req)
             if captured is not None:
                 s.two_tier.record_queries(req, captured, slice(q_row0 + row, q_row0 + row + n_rows), n_keep=m)
             req.kv_committed_len += m
             s.truncate_slots(req, req.kv_committed_len)
             self.account(req, drafted=len(d), accepted=j, draft_s=draft_s, verify_s=verify_s)
             req.drafts = []
+            req.draft_masks = []
             row += n_rows
         for req in group:
             if not req.finished:
@@ -193,6 +212,11 @@ class VeriCacheWorker:
             for i in range(len(r.drafts) + 1)
         ]
         info = SamplingBatchInfo.from_rows(rows, s.vocab_size, logits.device, s.eos_token_ids)
+        info.vocab_mask = vocab_mask(
+            [m for r in group for m in (r.draft_masks + [r.grammar.next_bitmask()] if r.grammar else
+                                        [None] * (len(r.drafts) + 1))],
+            s.vocab_size,
+        )
         want_lp = any(r.return_logprob for r in group)
         top_n = max((r.top_logprobs_num for r in group if r.return_logprob), default=0)
         out = s.sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)

@@ -162,6 +162,39 @@ def exact_part(
     )
 
 
+def draft_part(
+    q: torch.Tensor,
+    draft_k_buffer: torch.Tensor,
+    draft_v_buffer: torch.Tensor,
+    draft_table: torch.Tensor,
+    draft_lens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    part_offset: int,
+    sm_scale: float,
+) -> None:
+    """Stage 1 over the draft-pool rows (VeriCache's third context part) into partial part_offset:
+    request b's keys are slots draft_table[b, :draft_lens[b]] of the draft buffers [num_slots, Hkv, D]
+    (row b of the table belongs to request b; entries past draft_lens[b] are not read)."""
+    bs = q.shape[0]
+    assert draft_table.shape[0] == bs and draft_lens.shape[0] == bs
+    rows = torch.arange(bs, dtype=torch.int64, device=q.device)
+    exact_part(
+        q,
+        draft_k_buffer,
+        draft_v_buffer,
+        draft_table,
+        rows,
+        torch.zeros_like(rows),
+        draft_lens,
+        o_part,
+        lse_part,
+        part_offset,
+        1,
+        sm_scale,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_buffer: torch.Tensor,  # [num_slots, Hkv, D]

@@ -26,7 +26,7 @@ from sgl_kernel_ext._common import (
     online_softmax_block,
     store_partial,
 )
-from sgl_kernel_ext.decode_exact import exact_part
+from sgl_kernel_ext.decode_exact import draft_part, exact_part
 from sgl_kernel_ext.decode_merge import merge_partials
 
 BLOCK_N = 64
@@ -191,8 +191,13 @@ def quantized_decode_attention(
     sm_scale: float | None = None,
     num_kv_splits: int | None = None,  # splits of the compressed part (None: from num_chunks.max())
     num_tail_splits: int = 1,
+    draft_k_buffer: torch.Tensor | None = None,  # [num_draft_slots, Hkv, D] draft pool (optional)
+    draft_v_buffer: torch.Tensor | None = None,
+    draft_table: torch.Tensor | None = None,  # [B, S_d] draft-pool slots of each request, in order
+    draft_lens: torch.Tensor | None = None,  # [B]
 ) -> torch.Tensor:
-    """-> [B, Hq, D] in q's dtype."""
+    """-> [B, Hq, D] in q's dtype. With the draft_* arguments the context gets a third part after the
+    tail: request b's draft rows draft_table[b, :draft_lens[b]] (VeriCache drafting)."""
     bits = KINDS[kind]
     bs, nh, d = q.shape
     hkv = k_buffer.shape[1]
@@ -208,7 +213,8 @@ def quantized_decode_attention(
     assert bits == 8 or (ks.stride(3) == 1 and vs.stride(3) == 1)
     scale = d**-0.5 if sm_scale is None else sm_scale
     splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * t, BLOCK_N)
-    o_part, lse_part = new_partials(bs, nh, splits + num_tail_splits, d, q.device)
+    has_draft = draft_table is not None
+    o_part, lse_part = new_partials(bs, nh, splits + num_tail_splits + int(has_draft), d, q.device)
     _quantized_part_kernel[(bs, hkv, splits)](
         q,
         kc,
@@ -256,4 +262,9 @@ def quantized_decode_attention(
         num_tail_splits,
         scale,
     )
+    if has_draft:
+        draft_part(
+            q, draft_k_buffer, draft_v_buffer, draft_table, draft_lens, o_part, lse_part,
+            splits + num_tail_splits, scale,
+        )
     return merge_partials(o_part, lse_part, torch.empty_like(q))

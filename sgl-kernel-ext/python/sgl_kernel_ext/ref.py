@@ -56,8 +56,13 @@ def compressed_decode_ref(
     tail_starts,
     tail_lens,
     sm_scale,
+    draft_k_buffer=None,
+    draft_v_buffer=None,
+    draft_table=None,
+    draft_lens=None,
 ):
-    """(b), (c) q [B, Hq, D] over [rows of chunks chunk_ids[b, :num_chunks[b]] | exact tail].
+    """(b), (c) q [B, Hq, D] over [rows of chunks chunk_ids[b, :num_chunks[b]] | exact tail | draft rows
+    draft_table[b, :draft_lens[b]] of the draft buffers (when given)].
     chunk_k/v [num_chunks_total + 1, R, Hkv, D] are the chunks' context rows (token drop: the stored
     rows; quantized: the dequantized ones); the tail is req_to_token[req, start : start + len]."""
     outs = []
@@ -66,6 +71,10 @@ def compressed_decode_ref(
         slots = _slots(req_to_token, req_pool_indices, b, int(tail_starts[b]), int(tail_lens[b]))
         k = torch.cat([chunk_k[ids].flatten(0, 1).float(), k_buffer[slots].float()])
         v = torch.cat([chunk_v[ids].flatten(0, 1).float(), v_buffer[slots].float()])
+        if draft_table is not None:
+            d_slots = draft_table[b, : int(draft_lens[b])].long()
+            k = torch.cat([k, draft_k_buffer[d_slots].float()])
+            v = torch.cat([v, draft_v_buffer[d_slots].float()])
         outs.append(attention_ref(q[b : b + 1], k, v, sm_scale)[0])
     return torch.stack(outs)
 

@@ -23,6 +23,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 
 from sglang_vericache.entrypoints.openai.tool_calls import (
     ToolCallStream,
+    ToolPlan,
     parse_tool_calls,
     template_message,
     template_tools,
@@ -72,7 +73,7 @@ def chat_template_of(tm: TokenizerManager) -> str:
     return getattr(tm.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
 
-def render_prompt(tm: TokenizerManager, req: ChatCompletionRequest, tools=None) -> list[int]:
+def render_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
     if tm.tokenizer is None:
         raise InvalidRequest("chat completions need a tokenizer; this server runs with --skip-tokenizer-init")
     if not req.messages:
@@ -83,16 +84,16 @@ def render_prompt(tm: TokenizerManager, req: ChatCompletionRequest, tools=None) 
         m["content"] = _content_text(m.get("content"))
         messages.append(template_message(m))
     kwargs = dict(req.chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = template_tools(tools)
+    if plan is not None:
+        kwargs["tools"] = template_tools(plan.tools)
     text = tm.tokenizer.apply_chat_template(
         messages, chat_template=chat_template_of(tm), tokenize=False, add_generation_prompt=True, **kwargs
     )
     return tm.tokenize(text, add_special_tokens=False)
 
 
-def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, tools) -> GenerateReqInput:
-    input_ids = render_prompt(tm, req, tools)
+def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, plan: ToolPlan | None) -> GenerateReqInput:
+    input_ids = render_prompt(tm, req, plan)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_new is None:  # OpenAI: as long as the request may be (context, and what the KV pool allows)
         longest = min(tm.context_len, tm.max_req_input_len + 1)
@@ -115,7 +116,8 @@ def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, tools
         "stop_token_ids": req.stop_token_ids,
         "stop_regex": req.stop_regex,
         "regex": req.regex,
-        "json_schema": response_format_schema(req.response_format),
+        "json_schema": plan.json_schema if plan is not None and plan.constrained
+        else response_format_schema(req.response_format),
         "ebnf": req.ebnf,
         "ignore_eos": req.ignore_eos,
         "no_stop_trim": req.no_stop_trim,
@@ -158,12 +160,12 @@ def _logprobs(req: ChatCompletionRequest, meta: dict) -> ChoiceLogprobs | None:
 
 
 def make_choice(
-    req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, tools
+    req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, plan: ToolPlan | None
 ) -> ChatCompletionResponseChoice:
     """One native output -> a chat choice; with tools, parsed calls and finish_reason "tool_calls"."""
     meta = out["meta_info"]
     reason, matched = finish_reason_of(meta)
-    content, tool_calls = parse_tool_calls(parser_name, tools, out["text"]) if tools else (out["text"], [])
+    content, tool_calls = parse_tool_calls(parser_name, plan, out["text"]) if plan else (out["text"], [])
     if tool_calls and reason == "stop":
         reason, matched = "tool_calls", None
     return ChatCompletionResponseChoice(
@@ -177,21 +179,24 @@ def make_choice(
 
 async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request) -> Response:
     parser_name = tm.server_args.tool_call_parser
-    tools = tools_in_use(req, parser_name, tm.limits.supports_grammar)
-    obj = build_generate_input(tm, req, tools)
+    plan = tools_in_use(req, parser_name, tm.limits.supports_grammar)
+    if plan is not None and plan.constrained and req.response_format is not None \
+            and req.response_format.type != "text":
+        raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function")
+    obj = build_generate_input(tm, req, plan)
     gen = tm.generate_request(obj, raw_request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = req.model or tm.served_model_name
     if req.stream:
         first = await gen.__anext__()
-        new_tool_stream = (lambda: ToolCallStream(parser_name, tools)) if tools else None
+        new_tool_stream = (lambda: ToolCallStream(parser_name, plan)) if plan else None
         events = stream_chunks(req, gen, first, rid, created, model, new_tool_stream)
         return StreamingResponse(events, media_type="text/event-stream")
     out = await gen.__anext__()
     await gen.aclose()
     outs = [out] if isinstance(out, dict) else out
-    choices = [make_choice(req, idx, o, parser_name, tools) for idx, o in enumerate(outs)]
+    choices = [make_choice(req, idx, o, parser_name, plan) for idx, o in enumerate(outs)]
     resp = ChatCompletionResponse(
         id=rid, created=created, model=model, choices=choices, usage=usage_of(outs, req.n)
     )

@@ -8,6 +8,8 @@ from sglang_vericache.layers.attention.base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "sglang_vericache.layers.attention.torch_backend:TorchNativeAttnBackend",
+    "triton": "sglang_vericache.layers.attention.triton_backend:TritonAttnBackend",
+    "flashinfer": "sglang_vericache.layers.attention.flashinfer_backend:FlashInferAttnBackend",
 }
 
 

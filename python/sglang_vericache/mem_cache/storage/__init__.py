@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from sglang_vericache.server_args import KV_STORE_KINDS  # the --kv-store choices: one list
+
 _EXPORTS = {
     "StoreNamespace": "hash_chain", "page_keys": "hash_chain",
     "KVStore": "base", "StoreError": "base", "StoreStats": "base",
@@ -25,7 +27,6 @@ _EXPORTS = {
     "PageStore": "page_store", "read_exact_pages": "page_store", "write_exact_pages": "page_store",
     "read_compressed_pages": "page_store", "write_compressed_pages": "page_store",
 }
-KV_STORE_KINDS = ("none", "file", "redis")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,279 @@
+"""The verifier instance (--disagg-role verifier): exact KV only, verification for remote drafters.
+
+It is a full-mode Scheduler (exact pools, radix cache, --kv-store exact tier) driven by this loop
+instead of the tokenizer-facing event loop:
+
+    receive   Hello -> Pong(epoch); OpenSession -> a Req in the waiting queue (the normal admission
+              and prefill path: prefix match, store lookup, chunked prefill, write-through);
+              VerifyRun -> the session's pending run; CloseSession -> the Req is released.
+    prefill   one prefill batch per iteration (its first token is sampled as the drafter's own
+              prefill samples it; the first VerifyRun must start with that token, or the session
+              is out of sync and fails).
+    verify    every prefilled session with a pending run, in ONE TARGET_VERIFY forward; targets are
+              sampled by VeriCacheWorker.sample_targets (same seed/positions/penalties as the
+              drafter and as full mode); j = accepted_length; the KV of t_n, d_1..d_j is committed
+              (and sent back), the rejected slots freed.
+    expire    a drafter not heard from for --disagg-timeout seconds loses its sessions.
+
+Invariant per session (as in Req): between rounds, output_ids equals the drafter's and
+kv_committed_len == seqlen - 1. Stop conditions are the drafter's business (it closes the session
+when the request ends); the verifier commits j + 1 positions every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from sglang_vericache.disagg.messages import CloseSession, Hello, OpenSession, Pong, VerifyResult, VerifyRun
+from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
+from sglang_vericache.managers.schedule_batch import Req
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.model_executor.forward_batch import ForwardMode
+from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.spec.acceptance import accepted_length
+from sglang_vericache.spec.vericache_worker import VeriCacheWorker
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+
+
+class _TargetSampler(VeriCacheWorker):
+    """VeriCacheWorker's verify inputs and target sampling, without its draft pool (the verifier
+    never drafts)."""
+
+    def __init__(self, scheduler: Scheduler):  # noqa: super().__init__ would allocate the draft pool
+        self.s = scheduler
+
+
+@dataclass(eq=False)
+class Session:
+    drafter: bytes  # the drafter's ZMQ routing id
+    rid: str  # the drafter's request id
+    req: Req
+    pending: VerifyRun | None = None
+
+
+def new_epoch() -> int:
+    """A value no earlier instance on this host had (pid and start time), never 0."""
+    return (time.time_ns() << 20 | os.getpid() & 0xFFFFF) & ((1 << 62) - 1) or 1
+
+
+class VerifierServer:
+    def __init__(self, server_args: ServerArgs, scheduler: Scheduler | None = None):
+        if server_args.kv_mode != "full":
+            raise ValueError("the verifier keeps exact KV only (no --kv-compressor / --speculative-algorithm)")
+        self.args = server_args
+        self.sched = scheduler if scheduler is not None else Scheduler(server_args)
+        self.targets = _TargetSampler(self.sched)
+        self.epoch = new_epoch()
+        self.timeout = server_args.disagg_timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.addr = f"tcp://{server_args.host}:{server_args.disagg_port}"
+        self.sock.bind(self.addr)
+        self.sessions: dict[str, Session] = {}  # key: session_key(drafter, rid), also the Req's rid
+        self.drafter_seen: dict[bytes, float] = {}
+        self.stats = {"sessions_opened": 0, "sessions_dropped": 0, "verify_forwards": 0, "runs_verified": 0}
+        self._stop = False
+        logger.info("verifier listening on %s (epoch %d)", self.addr, self.epoch)
+
+    @staticmethod
+    def session_key(drafter: bytes, rid: str) -> str:
+        return f"{drafter.hex()}/{rid}"
+
+    # ------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop:
+                busy = self.sched.waiting_queue or self.sched.chunked_req or self.ready_sessions()
+                if self.sock.poll(0 if busy else IDLE_POLL_MS):
+                    self.receive()
+                self.expire_drafters()
+                self.step()
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+
+    def stop(self) -> None:
+        """Ends serve_forever after the current iteration (its socket closes without lingering)."""
+        self._stop = True
+
+    def step(self) -> None:
+        s = self.sched
+        s.drop_aborted()  # closed sessions
+        batch = s.prefill_adder.build()
+        if batch:
+            s.run_extend(batch)
+        ready = self.ready_sessions()
+        if ready:
+            self.verify(ready)
+        s.outbox.clear()  # the drafter streams to the client; nothing goes out from here
+
+    def receive(self) -> None:
+        while True:
+            try:
+                drafter, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = pickle.loads(frame)
+            except Exception:  # a bad frame must not stop the verifier
+                logger.exception("verifier: unreadable message")
+                continue
+            self.drafter_seen[drafter] = time.monotonic()
+            self.handle(drafter, msg)
+
+    def send(self, drafter: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([drafter, pickle.dumps(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a drafter that went away: its sessions expire
+            logger.warning("verifier: cannot answer drafter %s: %s", drafter.hex(), e)
+
+    def fail(self, drafter: bytes, rid: str, round_id: int, error: str) -> None:
+        self.send(drafter, VerifyResult(rid=rid, round_id=round_id, epoch=self.epoch, error=error))
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, drafter: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            self.send(drafter, Pong(self.epoch, len(self.sessions)))
+            return
+        rid = getattr(msg, "rid", None)
+        if getattr(msg, "epoch", None) != self.epoch:  # meant for an earlier instance: never act on it
+            if rid is not None and not isinstance(msg, CloseSession):
+                self.fail(drafter, rid, getattr(msg, "round_id", -1),
+                          f"verifier at {self.addr} restarted; the session is gone")
+            return
+        key = self.session_key(drafter, rid)
+        if isinstance(msg, OpenSession):
+            self.open_session(drafter, key, msg)
+        elif isinstance(msg, VerifyRun):
+            sess = self.sessions.get(key)
+            if sess is None:
+                self.fail(drafter, rid, msg.round_id, "no such session on the verifier")
+            elif sess.pending is not None:
+                self.fail(drafter, rid, msg.round_id, "a verification of this session is already pending")
+            else:
+                sess.pending = msg
+        elif isinstance(msg, CloseSession):
+            self.close_session(key)
+        else:
+            logger.warning("verifier got an unknown message %r", type(msg).__name__)
+
+    def open_session(self, drafter: bytes, key: str, msg: OpenSession) -> None:
+        if key in self.sessions:
+            self.fail(drafter, msg.rid, -1, "a session with this request id is already open")
+            return
+        err = self.sched.handle_message(TokenizedGenerateReqInput(
+            rid=key, input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, seed=msg.seed,
+            return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+        ))
+        if isinstance(err, SchedulerError):
+            self.fail(drafter, msg.rid, -1, f"the verifier refused the request: {err.message}")
+            return
+        self.sessions[key] = Session(drafter, msg.rid, self.sched.waiting_queue[-1])
+        self.stats["sessions_opened"] += 1
+
+    def close_session(self, key: str) -> None:
+        sess = self.sessions.pop(key, None)
+        if sess is not None and not sess.req.finished:
+            self.sched.abort_request(key)  # waiting: released now; running: at the next drop_aborted
+
+    def expire_drafters(self) -> None:
+        now = time.monotonic()
+        gone = [d for d, t in self.drafter_seen.items() if now - t > self.timeout]
+        for d in gone:
+            del self.drafter_seen[d]
+            keys = [k for k, sess in self.sessions.items() if sess.drafter == d]
+            if keys:
+                logger.warning("verifier: drafter %s silent for %.1f s; dropping its %d sessions",
+                               d.hex(), self.timeout, len(keys))
+            for k in keys:
+                self.close_session(k)
+            self.stats["sessions_dropped"] += len(keys)
+
+    # ------------------------------------------------------------------ verify
+
+    def ready_sessions(self) -> list[Session]:
+        s = self.sched
+        return [x for x in self.sessions.values()
+                if x.pending is not None and x.req in s.running and x.req is not s.chunked_req]
+
+    def verify(self, ready: list[Session]) -> None:
+        s = self.sched
+        group: list[Session] = []
+        need = 0
+        for sess in ready:
+            run, req = sess.pending, sess.req
+            if req.finished or len(req.output_ids) != run.output_len or req.output_ids[-1] != run.tokens[0]:
+                sess.pending = None
+                self.fail(sess.drafter, sess.rid, run.round_id,
+                          f"drafter and verifier are out of sync at output token {run.output_len} "
+                          f"(the verifier has {len(req.output_ids)} tokens)")
+                continue
+            n = s.allocator.pages_needed(req.kv_allocated_len, len(run.tokens))
+            short = (need + n) * s.page_size - s.allocator.available_size()
+            if short > 0:
+                s.tree_cache.evict(short)
+            if (need + n) * s.page_size > s.allocator.available_size():
+                continue  # no room this iteration; it stays pending until a session closes
+            need += n
+            group.append(sess)
+        if not group:
+            return
+        reqs = [x.req for x in group]
+        for sess in group:
+            sess.req.drafts, sess.req.draft_masks = list(sess.pending.tokens[1:]), []
+        items, input_ids, positions, out_loc = self.targets.verify_inputs(reqs)
+        fb = s.make_forward_batch(ForwardMode.TARGET_VERIFY, items, input_ids, positions, out_loc)
+        fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
+        logits = s.forward(fb, "verify")
+        targets, lps, tops = self.targets.sample_targets(reqs, logits)
+        self.stats["verify_forwards"] += 1
+        kv = s.model_runner.token_to_kv_pool
+        row = 0
+        for sess in group:
+            run, req = sess.pending, sess.req
+            d, n_rows = req.drafts, len(req.drafts) + 1
+            j = accepted_length(d, targets[row : row + n_rows])
+            m = j + 1
+            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len : req.kv_committed_len + m]
+            res = VerifyResult(
+                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=j, correction=targets[row + j],
+                k=torch.stack([kv.k_buffer[layer][slots] for layer in range(kv.num_layers)]),
+                v=torch.stack([kv.v_buffer[layer][slots] for layer in range(kv.num_layers)]),
+            )
+            if req.return_logprob:
+                res.logprobs = lps[row : row + m]
+                if req.top_logprobs_num:
+                    res.top_logprobs = (tops[0][row : row + m], tops[1][row : row + m])
+            req.output_ids.extend(d[:j] + [targets[row + j]])
+            req.kv_committed_len += m
+            s.truncate_slots(req, req.kv_committed_len)
+            req.drafts = []
+            sess.pending = None
+            self.stats["runs_verified"] += 1
+            self.send(sess.drafter, res)
+            row += n_rows
+
+
+def run_verifier(server_args: ServerArgs) -> None:
+    """`launch_server --disagg-role verifier`: serve until SIGINT/SIGTERM."""
+    if server_args.num_threads:
+        torch.set_num_threads(server_args.num_threads)
+    server = VerifierServer(server_args)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    print(f"verifier ready on {server.addr} (epoch {server.epoch})", flush=True)
+    server.serve_forever()
