@@ -62,7 +62,7 @@ def run_mode(args, prompts, server: dict):
         model_path=args.model_path, skip_tokenizer_init=True, page_size=args.page_size,
         device_kv_budget=args.device_kv_budget, max_running_requests=len(prompts),
         verify_staging_tokens=args.staging_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        num_threads=args.threads, **server))
+        num_threads=args.threads, dtype=args.dtype, **server))
     reqs = [make_request(f"r{i}", p, max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     sched.timeline = []
@@ -145,6 +145,10 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=32, help="KV page = compression chunk, tokens.")
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="Prefill chunk, tokens.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Compute and KV dtype (auto = the checkpoint's). In bfloat16 a verify pass (many rows) "
+                        "and a decode step (one row) round differently, so greedy outputs can part at "
+                        "near-ties; float32 keeps them identical in practice.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of every mode; medians are reported.")
     p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
     args = p.parse_args()
@@ -152,8 +156,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model_path)
     prompts = long_prompts(tok, args.model_path, args.num_requests, args.input_len)
     mc = ModelConfig.from_path(args.model_path)
+    dtype = mc.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * torch.empty(
-        (), dtype=mc.dtype).element_size()
+        (), dtype=dtype).element_size()
     if args.host_kv_budget is None:
         args.host_kv_budget = str(int(1.5 * args.num_requests * (args.input_len + args.output_len + args.page_size)
                                       * per_token))

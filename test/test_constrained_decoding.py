@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.constrained.grammar import bitmask_to_bool, vocab_mask
 from sglang_vericache.constrained.grammar_backend import GrammarBackend
 from sglang_vericache.managers.scheduler import Scheduler
@@ -147,8 +148,8 @@ def ids_of(results):
     return {rid: (r.output_ids, r.finished_reason) for rid, r in results.items()}
 
 
-@pytest.mark.parametrize("compressor", ["snapkv", "kivi2", "int8"])
-@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+@pytest.mark.parametrize("compressor,sampling", [(c, "greedy") for c in COMPRESSOR_NAMES]
+                         + [(c, "seeded") for c in ("snapkv", "kivi2", "int8")])
 def test_vericache_constrained_output_equals_full(llama, full_runs, compressor, sampling):
     vc = run(llama, SAMPLINGS[sampling], speculative_algorithm="VERICACHE", kv_compressor=compressor,
              kv_compression_ratio=4, speculative_num_draft_tokens=5)
