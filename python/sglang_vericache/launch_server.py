@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=server_args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
+    if server_args.disagg_role == "verifier":  # dual-instance mode: no HTTP, the verifier loop (disagg/)
+        from sglang_vericache.disagg.verifier import run_verifier
+
+        run_verifier(server_args)
+        return
     from sglang_vericache.managers.tokenizer_manager import TokenizerManager
 
     try:

@@ -58,7 +58,8 @@ class VerifierLink:
     """The drafter's DEALER socket to one verifier, and what the drafter knows of it.
 
     up: a verifier answered (epoch known) and has not been silent for `timeout` seconds since the
-    drafter last expected an answer. Hello goes out every timeout/5 seconds as a heartbeat.
+    drafter last expected an answer. Hello goes out every timeout/5 seconds as a heartbeat (every
+    0.2 s at most while no verifier is up).
     ZMQ_IMMEDIATE: nothing is queued while there is no connection, so a message meant for a dead
     verifier can never reach its successor (and every message carries the epoch anyway).
     """
@@ -67,8 +68,9 @@ class VerifierLink:
         self.addr = addr
         self.timeout = timeout_s
         self.drafter_id = f"drafter-{os.getpid()}-{time.time_ns()}"
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        # The process-wide context: a private one would block in term() if it were garbage-collected
+        # before its socket.
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, self.drafter_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -108,7 +110,8 @@ class VerifierLink:
     def heartbeat(self) -> bool:
         """Sends Hello when due; True if the verifier was up and has now been silent too long."""
         now = time.monotonic()
-        if now - self.last_hello >= self.timeout / 5:
+        interval = self.timeout / 5 if self.up else min(0.2, self.timeout / 5)  # looking for it: more often
+        if now - self.last_hello >= interval:
             self.last_hello = now
             self.send(Hello(self.drafter_id, self.epoch or 0))
         if self.up and self.waiting_since is not None and now - self.waiting_since > self.timeout:
@@ -118,7 +121,6 @@ class VerifierLink:
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
 
 
 class RemoteVerifyWorker(VeriCacheWorker):
@@ -127,20 +129,34 @@ class RemoteVerifyWorker(VeriCacheWorker):
         s = scheduler
         if s.two_tier.needs_queries:
             raise ValueError(
-                f"--disagg-role drafter cannot use --kv-compressor {s.server_args.kv_compressor}: it scores pages "
-                "with the verify pass's queries, which stay on the verifier (use a query-free compressor: "
-                "streamingllm, knorm, kivi2, kivi4, int8, fp8)")
+                f"--disagg-role drafter cannot use --kv-compressor {s.server_args.kv_compressor}: it scores "
+                "pages with the verify pass's queries, which stay on the verifier (use a query-free "
+                "compressor: streamingllm, knorm, kivi2, kivi4, int8, fp8)")
         self.link = VerifierLink(s.server_args.verifier_addr, s.server_args.disagg_timeout)
         self.sessions: dict[str, Req] = {}  # rid -> request holding a session on the verifier
         self.inflight: dict[str, tuple[int, float]] = {}  # rid -> (round id, sent at)
         self.arrived: dict[str, VerifyResult] = {}
         self.round_ids = itertools.count()
         self.num_opened = 0
+        self.stagger = True  # every other session's first round drafts half-length (see the docstring)
         # Counters, and (when a list is set here) a trace of (time, event, rids) for tests.
-        self.stats = {"draft_forwards": 0, "draft_forwards_while_inflight": 0, "runs_sent": 0, "results_applied": 0,
-                      "requests_failed": 0}
+        self.stats = {"draft_forwards": 0, "draft_forwards_while_inflight": 0, "runs_sent": 0,
+                      "results_applied": 0, "requests_failed": 0}
         self.trace: list | None = None
-        self.link.heartbeat()
+        self.wait_for_verifier()
+
+    def wait_for_verifier(self) -> None:
+        """At start: up to --disagg-timeout for the verifier's first answer (then requests get 503s
+        until it answers), so the two instances may start in either order."""
+        deadline = time.monotonic() + self.link.timeout
+        while not self.link.up and time.monotonic() < deadline:
+            self.link.heartbeat()
+            if self.link.sock.poll(50):
+                for msg in self.link.recv():
+                    self.on_message(msg)
+        if not self.link.up:
+            logger.warning("verifier at %s has not answered yet; requests are refused until it does",
+                           self.link.addr)
 
     # ------------------------------------------------------------------ sessions
 
@@ -160,7 +176,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
             return f"verifier at {self.link.addr} is not reachable", 503
         self.sessions[req.rid] = req
         req.meta["_retractions"] = req.num_retractions
-        req.meta["_first_round"] = self.num_opened % 2  # staggering: every other session starts half-length
+        req.meta["_first_round"] = self.stagger and self.num_opened % 2
         self.num_opened += 1
         return None
 
@@ -199,14 +215,18 @@ class RemoteVerifyWorker(VeriCacheWorker):
             self.on_message(msg)
         if self.link.heartbeat():
             self.fail_all(f"verifier at {self.link.addr} went away (no answer for {self.link.timeout:g} s)")
+        self.close_finished()
+        for rid, req in list(self.sessions.items()):
+            if req.num_retractions != req.meta["_retractions"]:
+                self.link.send(CloseSession(rid, self.link.epoch or 0))
+                self.fail(req, "retracted on the drafter (out of KV memory); the dual-instance mode cannot "
+                               "resume a request whose verifier session went ahead of it")
+
+    def close_finished(self) -> None:
         for rid, req in list(self.sessions.items()):
             if req.finished or req.to_abort:
                 self.link.send(CloseSession(rid, self.link.epoch or 0))
                 self.forget(rid)
-            elif req.num_retractions != req.meta["_retractions"]:
-                self.link.send(CloseSession(rid, self.link.epoch or 0))
-                self.fail(req, "retracted on the drafter (out of KV memory); the dual-instance mode cannot "
-                               "resume a request whose verifier session went ahead of it")
 
     def on_message(self, msg) -> None:
         epoch = msg.epoch
@@ -272,7 +292,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
 
     def send_run(self, req: Req) -> None:
         rid, round_id = req.rid, next(self.round_ids)
-        run = VerifyRun(rid, round_id, len(req.output_ids), [req.output_ids[-1]] + req.drafts, self.link.epoch or 0)
+        tokens = [req.output_ids[-1]] + req.drafts
+        run = VerifyRun(rid, round_id, len(req.output_ids), tokens, self.link.epoch or 0)
         if not self.link.send(run):
             self.fail(req, f"verifier at {self.link.addr} went away (not reachable)")
             return
@@ -303,6 +324,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
         if group:
             self.stats["results_applied"] += len(group)
             self.after_verify(group, None, None, draft_s=draft_s / len(group), verify_s=verify_s / len(group))
+            self.close_finished()
 
     def sample_targets(self, group: list[Req], logits):
         """The verifier's answers as after_verify's target rows (logits is None here)."""

@@ -70,12 +70,15 @@ def new_epoch() -> int:
 class VerifierServer:
     def __init__(self, server_args: ServerArgs, scheduler: Scheduler | None = None):
         if server_args.kv_mode != "full":
-            raise ValueError("the verifier keeps exact KV only (no --kv-compressor / --speculative-algorithm)")
+            raise ValueError("the verifier keeps exact KV only "
+                             "(no --kv-compressor / --speculative-algorithm)")
         self.args = server_args
         self.sched = scheduler if scheduler is not None else Scheduler(server_args)
         self.targets = _TargetSampler(self.sched)
         self.epoch = new_epoch()
         self.timeout = server_args.disagg_timeout
+        # A private context, terminated when serve_forever ends: term() waits until the port is
+        # released, so a successor can bind it at once.
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -227,7 +230,12 @@ class VerifierServer:
             if short > 0:
                 s.tree_cache.evict(short)
             if (need + n) * s.page_size > s.allocator.available_size():
-                continue  # no room this iteration; it stays pending until a session closes
+                # Verifying frees nothing (only closed sessions do), so waiting could hang: fail it.
+                sess.pending = None
+                self.fail(sess.drafter, sess.rid, run.round_id,
+                          f"the verifier at {self.addr} is out of KV memory "
+                          f"({len(self.sessions)} open sessions)")
+                continue
             need += n
             group.append(sess)
         if not group:
@@ -248,9 +256,11 @@ class VerifierServer:
             d, n_rows = req.drafts, len(req.drafts) + 1
             j = accepted_length(d, targets[row : row + n_rows])
             m = j + 1
-            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len : req.kv_committed_len + m]
+            n = req.kv_committed_len
+            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, n : n + m]
             res = VerifyResult(
-                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=j, correction=targets[row + j],
+                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=j,
+                correction=targets[row + j],
                 k=torch.stack([kv.k_buffer[layer][slots] for layer in range(kv.num_layers)]),
                 v=torch.stack([kv.v_buffer[layer][slots] for layer in range(kv.num_layers)]),
             )

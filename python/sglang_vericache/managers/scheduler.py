@@ -69,7 +69,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 self.req_to_token_pool, self.allocator, self.two_tier.pool, self.page_size,
                 disable=server_args.disable_radix_cache,
             )
-            if self.mode == "vericache":
+            if self.mode == "vericache" and server_args.disagg_role == "drafter":
+                # Dual-instance mode (disagg/): verification runs on a remote verifier, non-blocking.
+                from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
+
+                self.spec_worker = RemoteVerifyWorker(self)
+            elif self.mode == "vericache":
                 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 
                 self.spec_worker = VeriCacheWorker(self)
@@ -231,6 +236,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 f"more than the {self.max_req_len} tokens a request may have",
             )
         req = Req.from_input(r)
+        if self.server_args.disagg_role == "drafter":  # dual-instance: open the verifier's session now
+            refused = self.spec_worker.open_session(req)
+            if refused is not None:
+                return SchedulerError(r.rid, *refused)
         if grammar_key(r.sampling_params) is not None:
             if self.grammar_backend is None:
                 return SchedulerError(r.rid, "constrained decoding needs a tokenizer (--skip-tokenizer-init is set)")
@@ -268,6 +277,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> None:
+        if self.server_args.disagg_role == "drafter":  # verifier results, heartbeat, a verifier gone away
+            self.spec_worker.poll_verifier()
         self.drop_aborted()
         batch = self.prefill_adder.build()
         if batch:
