@@ -194,7 +194,7 @@ def main() -> None:
         f"tokens), {args.model_path}\n"
         f"device KV budget {parse_bytes(args.device_kv_budget) / 1e6:.1f} MB (exact KV of {args.full_fits:g} "
         f"requests), link {args.link_bandwidth}/s, {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, "
-        f"staging {args.staging_tokens} rows; median of {args.repeats}; machine: {machine()}\n"
+        f"staging {args.staging_tokens} rows, dtype {args.dtype}; median of {args.repeats}; machine: {machine()}\n"
     )
     lines = [header, "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
