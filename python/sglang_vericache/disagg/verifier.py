@@ -50,7 +50,7 @@ class _TargetSampler(VeriCacheWorker):
     """VeriCacheWorker's verify inputs and target sampling, without its draft pool (the verifier
     never drafts)."""
 
-    def __init__(self, scheduler: Scheduler):  # noqa: super().__init__ would allocate the draft pool
+    def __init__(self, scheduler: Scheduler):  # no super().__init__: it would allocate the draft pool
         self.s = scheduler
 
 
