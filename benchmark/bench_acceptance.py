@@ -52,11 +52,14 @@ def main() -> None:
                    help="Prompt length range in tokens.")
     p.add_argument("--max-new-tokens", type=int, default=256, help="Tokens generated per prompt.")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size.")
+    p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Compute and KV dtype (auto = the checkpoint's bfloat16). In bfloat16 a verify pass and "
+                        "a decode step round differently, so outputs can part from full KV at near-ties.")
     args = p.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
     ids = [c.ids for c in code_prompts(tok, args.num_prompts, *args.prompt_tokens, model_path=args.model_path)]
-    common = dict(page_size=args.page_size, max_running_requests=len(ids))
+    common = dict(page_size=args.page_size, max_running_requests=len(ids), dtype=args.dtype)
     sampling = {"temperature": 0.0, "ignore_eos": True}
     full = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **common)
 
@@ -88,7 +91,7 @@ def main() -> None:
     lines = [
         f"VeriCache acceptance on code: {args.model_path}",
         f"{len(ids)} held-out code prompts ({args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens), "
-        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}; machine: {machine()}",
+        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, dtype {args.dtype}; machine: {machine()}",
         "",
         "| compressor | ratio | X | tokens/round | acceptance rate | VeriCache output = full | lossy output = full |",
         "| --- | --- | --- | --- | --- | --- | --- |",
