@@ -22,6 +22,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
@@ -36,6 +37,22 @@ INSERT OR IGNORE INTO meta VALUES ('bytes', 0), ('clock', 0);
 """
 
 
+def _retry_locked(fn, timeout_s: float):
+    """Run fn, retrying while SQLite reports the database locked. Switching a new index to WAL
+    needs an exclusive lock and SQLite does not apply the busy timeout to it, so two processes
+    opening one fresh directory at once would otherwise fail at once."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
 class FileStore(KVStore):
     def __init__(self, root: str, capacity_bytes: int | None = None, timeout_s: float = 10.0):
         super().__init__(capacity_bytes)
@@ -46,7 +63,7 @@ class FileStore(KVStore):
             os.makedirs(self.data_dir, exist_ok=True)
             self._db = sqlite3.connect(os.path.join(self.root, "index.sqlite3"), timeout=timeout_s,
                                        isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            _retry_locked(lambda: self._db.execute("PRAGMA journal_mode=WAL"), timeout_s)
             self._db.execute("PRAGMA synchronous=NORMAL")
             with self._write():
                 for stmt in filter(str.strip, _SCHEMA.split(";")):
