@@ -16,6 +16,7 @@ KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2"
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
 DISAGG_ROLES = ("none", "drafter", "verifier")  # dual-instance VeriCache (issue 8, disagg/)
+DISAGG_PREFILLS = ("local", "verifier")
 
 
 def default_kv_store_path() -> str:
@@ -97,6 +98,7 @@ class ServerArgs:
     verifier_addr: str | None = None  # drafter: tcp://HOST:PORT of the verifier
     disagg_port: int | None = None  # verifier: the TCP port it binds (on --host)
     disagg_timeout: float = 10.0  # seconds of silence before the peer counts as gone
+    disagg_prefill: str = "local"  # drafter: local | verifier (remote prefix caching, disagg/remote_prefill.py)
 
     # Sampling defaults.
     random_seed: int = 0
@@ -145,6 +147,8 @@ class ServerArgs:
         tiers = self.kv_store_tiers
         if tiers == "auto":
             tiers = "exact" if self.kv_mode == "full" else "both"
+            if self.disagg_prefill == "verifier":
+                tiers = "compressed"  # the drafter never holds a prompt's exact KV
         return ("exact", "compressed") if tiers == "both" else (tiers,)
 
     @property
@@ -227,6 +231,15 @@ class ServerArgs:
             raise ValueError("--verifier-addr is for --disagg-role drafter")
         if self.disagg_port is not None and role != "verifier":
             raise ValueError("--disagg-port is for --disagg-role verifier")
+        if self.disagg_prefill not in DISAGG_PREFILLS:
+            raise ValueError(f"--disagg-prefill must be one of {', '.join(DISAGG_PREFILLS)}, "
+                             f"got {self.disagg_prefill!r}")
+        if self.disagg_prefill == "verifier":
+            if role != "drafter":
+                raise ValueError("--disagg-prefill verifier is for --disagg-role drafter")
+            if self.kv_store_tiers in ("exact", "both"):
+                raise ValueError("--disagg-prefill verifier: the drafter never holds a prompt's exact KV, so its "
+                                 "--kv-store-tiers can only be compressed (or auto)")
         if role == "drafter":
             from urllib.parse import urlparse
 
@@ -344,6 +357,12 @@ class ServerArgs:
         add("--verifier-addr", type=str, default=None,
             help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT.")
         add("--disagg-port", type=int, default=None, help="Verifier: the TCP port drafters connect to.")
+        add("--disagg-prefill", type=str, default=d["disagg_prefill"].default, choices=DISAGG_PREFILLS,
+            help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
+                 "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the prompt's "
+                 "prefix (from its cache or --kv-store, over its slow link); the verifier loads the exact prefix "
+                 "from its own store, prefills the rest, and returns the first token and the exact KV of the "
+                 "positions past the drafter's compressed pages.")
         add("--disagg-timeout", type=float, default=d["disagg_timeout"].default,
             help="Seconds without an answer before the drafter fails the requests the verifier held (and "
                  "without a message before the verifier drops a drafter's sessions).")

@@ -27,7 +27,9 @@ class Hello:
 
 @dataclass
 class OpenSession:
-    """A request the drafter admitted: the verifier prefills its prompt (or loads it from its store)."""
+    """A request the drafter admitted: the verifier prefills its prompt (or loads it from its store).
+    kv_from: None when the drafter prefills too (--disagg-prefill local); else the verifier answers
+    its prefill with a PrefillResult carrying the exact KV of prompt positions [kv_from, prompt_len)."""
 
     rid: str
     input_ids: list[int]
@@ -36,6 +38,8 @@ class OpenSession:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     epoch: int = 0
+    kv_from: int | None = None
+    logprob_start_len: int = -1
 
 
 @dataclass
@@ -65,6 +69,24 @@ class Pong:
 
     epoch: int
     num_sessions: int = 0
+
+
+@dataclass
+class PrefillResult:
+    """The verifier's prefill of a session opened with kv_from (--disagg-prefill verifier): the first
+    output token (sampled as full mode samples it), its logprobs and the prompt's input logprobs when
+    asked, and k, v: [layers, prompt_len - kv_from, kv_heads, head_dim], the exact KV of prompt
+    positions [kv_from, prompt_len) (None when the first token already ended the request)."""
+
+    rid: str
+    epoch: int
+    token: int
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
 
 
 @dataclass

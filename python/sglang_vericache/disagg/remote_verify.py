@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING
 import zmq
 
 from sglang_vericache.constrained.grammar_backend import grammar_key
-from sglang_vericache.disagg.messages import CloseSession, Hello, OpenSession, Pong, VerifyResult, VerifyRun
+from sglang_vericache.disagg.messages import (
+    CloseSession, Hello, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun,
+)
 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 
 if TYPE_CHECKING:
@@ -168,17 +170,26 @@ class RemoteVerifyWorker(VeriCacheWorker):
         self.poll_verifier()
         if not self.link.up:
             return f"verifier at {self.link.addr} is not reachable", 503
+        if self.s.server_args.disagg_prefill == "verifier":
+            return None  # opened at admission, with the compressed prefix it then has (remote_prefill.py)
+        if not self.send_open(req):
+            return f"verifier at {self.link.addr} is not reachable", 503
+        return None
+
+    def send_open(self, req: Req, kv_from: int | None = None) -> bool:
+        """Sends req's OpenSession; False if no connection took it."""
         ok = self.link.send(OpenSession(
             rid=req.rid, input_ids=req.origin_input_ids, sampling_params=req.sampling_params, seed=req.seed,
             return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, epoch=self.link.epoch,
+            kv_from=kv_from, logprob_start_len=req.logprob_start_len,
         ))
         if not ok:
-            return f"verifier at {self.link.addr} is not reachable", 503
+            return False
         self.sessions[req.rid] = req
         req.meta["_retractions"] = req.num_retractions
         req.meta["_first_round"] = self.stagger and self.num_opened % 2
         self.num_opened += 1
-        return None
+        return True
 
     def fail(self, req: Req, message: str) -> None:
         """Ends req with an abort carrying message (now if it waits, at the next step if it runs)."""
@@ -236,6 +247,10 @@ class RemoteVerifyWorker(VeriCacheWorker):
             logger.info("verifier at %s is up (epoch %d)", self.link.addr, epoch)
         self.link.epoch = epoch
         if isinstance(msg, Pong):
+            return
+        if isinstance(msg, PrefillResult):
+            if self.s.remote_prefill is not None:
+                self.s.remote_prefill.on_message(msg)
             return
         if not isinstance(msg, VerifyResult):
             logger.warning("drafter got an unknown message %r", type(msg).__name__)

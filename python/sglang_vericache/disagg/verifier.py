@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from sglang_vericache.disagg.messages import CloseSession, Hello, OpenSession, Pong, VerifyResult, VerifyRun
+from sglang_vericache.disagg.messages import (
+    CloseSession, Hello, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun,
+)
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.scheduler import Scheduler
@@ -60,6 +62,8 @@ class Session:
     rid: str  # the drafter's request id
     req: Req
     pending: VerifyRun | None = None
+    kv_from: int | None = None  # the drafter wants a PrefillResult (--disagg-prefill verifier)
+    prefill_sent: bool = False
 
 
 def new_epoch() -> int:
@@ -86,7 +90,8 @@ class VerifierServer:
         self.sock.bind(self.addr)
         self.sessions: dict[str, Session] = {}  # key: session_key(drafter, rid), also the Req's rid
         self.drafter_seen: dict[bytes, float] = {}
-        self.stats = {"sessions_opened": 0, "sessions_dropped": 0, "verify_forwards": 0, "runs_verified": 0}
+        self.stats = {"sessions_opened": 0, "sessions_dropped": 0, "verify_forwards": 0, "runs_verified": 0,
+                      "prefills_sent": 0}
         self._stop = False
         logger.info("verifier listening on %s (epoch %d)", self.addr, self.epoch)
 
@@ -118,6 +123,7 @@ class VerifierServer:
         batch = s.prefill_adder.build()
         if batch:
             s.run_extend(batch)
+            self.send_prefills()
         ready = self.ready_sessions()
         if ready:
             self.verify(ready)
@@ -181,12 +187,40 @@ class VerifierServer:
         err = self.sched.handle_message(TokenizedGenerateReqInput(
             rid=key, input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, seed=msg.seed,
             return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len if msg.kv_from is not None else -1,
         ))
         if isinstance(err, SchedulerError):
             self.fail(drafter, msg.rid, -1, f"the verifier refused the request: {err.message}")
             return
-        self.sessions[key] = Session(drafter, msg.rid, self.sched.waiting_queue[-1])
+        self.sessions[key] = Session(drafter, msg.rid, self.sched.waiting_queue[-1], kv_from=msg.kv_from)
         self.stats["sessions_opened"] += 1
+
+    def send_prefills(self) -> None:
+        """PrefillResult for each session whose prompt prefill just completed and whose drafter asked
+        for it: the first token, logprobs, and the exact KV of prompt positions [kv_from, prompt_len)
+        (none if the first token ended the request: its KV went to the tree with the release)."""
+        s = self.sched
+        kv = s.model_runner.token_to_kv_pool
+        for sess in self.sessions.values():
+            req = sess.req
+            if sess.kv_from is None or sess.prefill_sent or not (req.output_ids or req.finished):
+                continue
+            sess.prefill_sent = True
+            res = PrefillResult(rid=sess.rid, epoch=self.epoch, token=req.output_ids[0] if req.output_ids else -1)
+            if req.return_logprob:
+                res.input_token_logprobs = req.input_token_logprobs
+                res.input_top_logprobs = req.input_top_logprobs
+                if req.output_ids:
+                    res.logprob = req.output_token_logprobs[0][0]
+                    if req.top_logprobs_num:
+                        res.top_logprobs = req.output_top_logprobs[0]
+            if not req.finished:
+                n = len(req.origin_input_ids)
+                slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, sess.kv_from : n]
+                res.k = torch.stack([kv.k_buffer[layer][slots] for layer in range(kv.num_layers)])
+                res.v = torch.stack([kv.v_buffer[layer][slots] for layer in range(kv.num_layers)])
+            self.stats["prefills_sent"] += 1
+            self.send(sess.drafter, res)
 
     def close_session(self, key: str) -> None:
         sess = self.sessions.pop(key, None)

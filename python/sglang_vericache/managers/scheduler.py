@@ -65,7 +65,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             from sglang_vericache.spec.two_tier import TwoTierKV
 
             self.two_tier = TwoTierKV(self)
-            self.tree_cache = TwoTierRadixCache(
+            if server_args.disagg_prefill == "verifier":  # remote prefix caching: compressed pages alone
+                from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache as TreeCls
+            else:
+                TreeCls = TwoTierRadixCache
+            self.tree_cache = TreeCls(
                 self.req_to_token_pool, self.allocator, self.two_tier.pool, self.page_size,
                 disable=server_args.disable_radix_cache,
             )
@@ -84,6 +88,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             from sglang_vericache.mem_cache.prefix_store import PrefixStore
 
             self.prefix_store = PrefixStore(self)
+        self.remote_prefill = None
+        if server_args.disagg_prefill == "verifier":  # the verifier prefills (remote prefix caching)
+            from sglang_vericache.disagg.remote_prefill import RemotePrefill
+
+            self.remote_prefill = RemotePrefill(self)
         self.link = self.stagger = None
         if server_args.uses_link:
             from sglang_vericache.spec.link import Link
@@ -190,7 +199,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def event_loop(self) -> None:
         while True:
-            idle = not (self.waiting_queue or self.running or self.chunked_req)
+            idle = not (self.waiting_queue or self.running or self.chunked_req
+                        or (self.remote_prefill is not None and self.remote_prefill.prefilling))
             self.recv_requests(block=idle)
             self.step()
             self.flush_outbox()
@@ -260,7 +270,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 req.finished_reason = {"type": "abort", "message": "aborted by the client"}
                 self.emit(req)
                 return
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        prefilling = list(self.remote_prefill.prefilling.values()) if self.remote_prefill is not None else []
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []) + prefilling:
             if req.rid == rid:
                 req.to_abort = "aborted by the client"
 
@@ -280,6 +291,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.server_args.disagg_role == "drafter":  # verifier results, heartbeat, a verifier gone away
             self.spec_worker.poll_verifier()
         self.drop_aborted()
+        if self.remote_prefill is not None:  # prompts prefill on the verifier: admission only, here
+            self.remote_prefill.step()
+            if self.running:
+                self.run_decode()
+            else:
+                self.remote_prefill.wait()
+            return
         batch = self.prefill_adder.build()
         if batch:
             self.run_extend(batch)

@@ -166,7 +166,7 @@ class PrefixStore:
         try:
             slots, limited = self._load_exact(key, c, n_pages, room)
             e = c + len(slots) // P
-            ids = self._load_comp(key, cc, e) if self.comp is not None and cc < e else _EMPTY
+            ids = self._load_comp(self.comp.keys(key[: e * P])[cc:]) if self.comp is not None and cc < e else _EMPTY
             if len(slots) or len(ids):
                 value = torch.cat([match.device_indices.cpu(), slots]).to(match.device_indices.device)
                 if two_tier:
@@ -226,12 +226,16 @@ class PrefixStore:
         st.read_seconds += time.perf_counter() - t0
         return slots[: m * P], present > n
 
-    def _load_comp(self, key: list[int], cc: int, e: int) -> torch.Tensor:
-        """Compressed chunks of pages [cc, e) of key from the store into new chunk ids."""
-        P, pool = self.page_size, self.s.two_tier.pool
+    def load_compressed(self, keys: list[str], start: int) -> torch.Tensor:
+        """Compressed pages keys[start:] (the stored run of them) into new chunk ids, outside the
+        radix tree: for a drafter that caches compressed pages alone (disagg/remote_prefill.py)."""
+        return self._load_comp(keys[start:])
+
+    def _load_comp(self, keys: list[str]) -> torch.Tensor:
+        """Compressed chunks of the pages keys (from the store) into new chunk ids."""
+        pool = self.s.two_tier.pool
         st = self.stats["compressed"]
         t0, bytes0 = time.perf_counter(), self.store.stats.bytes_out
-        keys = self.comp.keys(key[: e * P])[cc:]
         present = self.comp.match_prefix(keys)
         st.pages_missed += len(keys) - present
         n = min(present, pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks())

@@ -1,0 +1,230 @@
+"""RemotePrefill: admission on a drafter whose prompts the verifier prefills (--disagg-prefill verifier).
+
+Remote prefix caching (the paper's second scenario): this instance reaches the KV store over a slow
+link, the verifier over a fast one. So the drafter moves only compressed pages and never a prompt's
+exact KV:
+
+    admit     the prompt's compressed prefix: cached pages (CompressedPrefixCache), then the next
+              ones from the store's compressed tier; a req_to_token row whose exact slots start at
+              that prefix's end; OpenSession(kv_from = prefix tokens). Runs instead of prefill.
+    on result the verifier loaded the exact prefix from its own store, prefilled the rest and sent
+              the first token and the exact KV of prompt positions [kv_from, prompt_len): that KV
+              goes into this request's slots, its whole pages fold into the compressed tier and are
+              adopted by the cache (and written through to the store), the token is emitted as a
+              prefill's first token, and the request starts drafting.
+
+Per request (meta): _exact_from = kv_from (exact slots exist from here on; positions before it
+have none, and nothing reads them: drafting reads compressed pages and the exact tail past them,
+and verification is remote); _cpc_keys = the cache pages it holds locked (comp_indices[:len]).
+The drafter's messages and the first token are exactly what local prefill would give: the verifier
+samples it as full mode does, and the KV it sends is the exact KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from sglang_vericache.disagg.messages import OpenSession, PrefillResult
+from sglang_vericache.mem_cache.prefix_store import model_identity
+from sglang_vericache.mem_cache.storage.hash_chain import StoreNamespace, page_keys
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache
+
+logger = logging.getLogger(__name__)
+
+WAIT_MS = 20  # longest wait for a prefill result when nothing else can run
+
+
+class RemotePrefill:
+    def __init__(self, scheduler: Scheduler):
+        s = self.s = scheduler
+        self.cache: CompressedPrefixCache = s.tree_cache
+        self.P = s.page_size
+        store = s.prefix_store
+        if store is not None and store.comp is not None:
+            self.namespace = store.comp.namespace
+        else:
+            args = s.server_args
+            dtype = str(s.model_runner.token_to_kv_pool.dtype).removeprefix("torch.")
+            self.namespace = StoreNamespace(model_identity(args.model_path), "compressed", self.P, dtype,
+                                            args.kv_compressor, args.kv_compression_ratio)
+        self.prefilling: dict[str, Req] = {}
+        self.arrived: list[PrefillResult] = []
+        self.stats = {"prefills_requested": 0, "prefills_applied": 0, "cached_pages_hit": 0,
+                      "store_pages_loaded": 0, "kv_bytes_received": 0}
+
+    @property
+    def worker(self):
+        return self.s.spec_worker
+
+    # ------------------------------------------------------------------ the scheduler's step
+
+    def step(self) -> None:
+        """Applies the prefills that arrived, drops cancelled ones, admits waiting requests."""
+        for res in self.arrived:
+            self.apply(res)
+        self.arrived.clear()
+        for rid, req in list(self.prefilling.items()):
+            if req.to_abort or rid not in self.worker.sessions:  # aborted, or failed by the worker
+                self.drop(req, req.to_abort or "the verifier session ended")
+        self.admit()
+
+    def wait(self) -> None:
+        """Nothing is running: sleep until the verifier (or a new request) speaks."""
+        if not self.prefilling:
+            return
+        poller = zmq.Poller()
+        poller.register(self.worker.link.sock, zmq.POLLIN)
+        if self.s.recv_socket is not None:
+            poller.register(self.s.recv_socket, zmq.POLLIN)
+        poller.poll(WAIT_MS)
+
+    def drop(self, req: Req, message: str) -> None:
+        self.prefilling.pop(req.rid, None)
+        if req.finished:
+            return
+        req.finished_reason = {"type": "abort", "message": message}
+        self.s.release(req)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self) -> None:
+        s, P = self.s, self.P
+        while s.waiting_queue:
+            if len(s.running) + len(self.prefilling) >= s.server_args.max_running_requests:
+                return
+            req = s.waiting_queue[0]
+            if not self.worker.link.up:
+                s.waiting_queue.popleft()
+                self.fail_waiting(req, f"verifier at {self.worker.link.addr} is not reachable")
+                continue
+            n_prompt = len(req.origin_input_ids)
+            keys = page_keys(req.origin_input_ids[: (n_prompt - 1) // P * P], self.namespace)
+            ids = self.cache.match(keys)
+            self.cache.lock(keys[: len(ids)])
+            loaded = self.load_from_store(keys, len(ids))
+            if len(loaded):
+                taken = self.cache.insert(keys, loaded, len(ids))  # all of them: the run is past the match
+                assert taken == len(loaded)
+                self.cache.lock(keys[len(ids) : len(ids) + taken])
+                self.stats["store_pages_loaded"] += taken
+            self.stats["cached_pages_hit"] += len(ids)
+            ids = torch.cat([ids, loaded])
+            held = keys[: len(ids)]
+            if not self.reserve(req, len(ids)):
+                self.cache.unlock(held)
+                if not s.running and not self.prefilling:
+                    s.waiting_queue.popleft()
+                    self.fail_waiting(req, "the prompt does not fit in this drafter's KV pools")
+                    continue
+                return
+            prefix = len(ids) * P
+            req.req_pool_idx = s.req_to_token_pool.alloc()
+            req.comp_indices, req.comp_prefix_len = ids, prefix
+            req.kv_committed_len = req.kv_allocated_len = prefix
+            req.meta.update(_exact_from=prefix, _cpc_keys=held)
+            if s.alloc_slots(req, n_prompt - prefix) is None:  # reserve() checked the room
+                raise RuntimeError("exact slots vanished between reserve and alloc")
+            req.cached_tokens = prefix
+            req.meta["compressed_prefix_tokens"] = prefix
+            s.waiting_queue.popleft()
+            if not self.worker.send_open(req, kv_from=prefix):
+                self.drop(req, f"verifier at {self.worker.link.addr} is not reachable")
+                continue
+            self.prefilling[req.rid] = req
+            req.meta["_prefill_sent"] = time.perf_counter()
+            self.stats["prefills_requested"] += 1
+
+    def fail_waiting(self, req: Req, message: str) -> None:
+        req.finished_reason = {"type": "abort", "message": message}
+        self.s.emit(req)
+
+    def reserve(self, req: Req, n_prefix_pages: int) -> bool:
+        """Room for req's prompt past its compressed prefix (exact slots; chunks for its whole pages)
+        and for every running or prefilling request's next round, evicting unlocked cached pages."""
+        s, P = self.s, self.P
+        n_prompt = len(req.origin_input_ids)
+        rest = n_prompt - n_prefix_pages * P
+        round_tokens = s.server_args.max_draft_tokens + 1
+        others = list(s.running) + list(self.prefilling.values())
+        pages = s.allocator.pages_needed(n_prefix_pages * P, rest + round_tokens)
+        pages += sum(s.allocator.pages_needed(r.kv_allocated_len, round_tokens) for r in others)
+        if pages * P > s.allocator.available_size() + s.tree_cache.evictable_size():
+            return False
+        chunks = n_prompt // P - n_prefix_pages + (len(others) + 1) * (1 + (round_tokens + P - 1) // P)
+        short = chunks - s.two_tier.pool.available_chunks()
+        if short > 0:
+            self.cache.evict_compressed(short)
+        return chunks <= s.two_tier.pool.available_chunks()
+
+    def load_from_store(self, keys: list[str], start: int) -> torch.Tensor:
+        """Compressed pages keys[start:] from the store into new chunks (the run that is stored)."""
+        store = self.s.prefix_store
+        if store is None or store.comp is None or start >= len(keys):
+            return torch.empty(0, dtype=torch.int64)
+        return store.load_compressed(keys, start)
+
+    # ------------------------------------------------------------------ results
+
+    def on_message(self, res: PrefillResult) -> None:
+        if res.rid in self.prefilling:
+            self.arrived.append(res)
+
+    def apply(self, res: PrefillResult) -> None:
+        s, P = self.s, self.P
+        req = self.prefilling.pop(res.rid, None)
+        if req is None or req.to_abort:
+            if req is not None:
+                self.drop(req, req.to_abort)
+            return
+        self.stats["prefills_applied"] += 1
+        n_prompt = len(req.origin_input_ids)
+        if res.k is not None:
+            kv = s.model_runner.token_to_kv_pool
+            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len : n_prompt]
+            for layer in range(kv.num_layers):
+                kv.set_kv_buffer(layer, slots, res.k[layer], res.v[layer])
+            self.stats["kv_bytes_received"] += res.k.numel() * res.k.element_size() * 2
+            req.kv_committed_len = n_prompt
+            if not s.two_tier.fold(req):
+                self.drop(req, "the drafter's compressed tier is full")
+                return
+            self.adopt(req)
+            if s.prefix_store is not None:
+                s.prefix_store.write_through(req)
+        req.meta["remote_prefill_s"] = round(time.perf_counter() - req.meta.pop("_prefill_sent"), 6)
+        if req.return_logprob:
+            req.input_token_logprobs = list(res.input_token_logprobs or [])
+            req.input_top_logprobs = list(res.input_top_logprobs or [])
+        req.input_logprobs_done = True
+        s.metrics.num_prompt_tokens_total += n_prompt - req.meta["_exact_from"]
+        if res.token < 0:  # max_new_tokens == 0
+            req.finished_reason = {"type": "length", "length": 0}
+            s.release(req)
+            return
+        top = res.top_logprobs or []
+        tops = ([[v for v, _ in top]], [[i for _, i in top]])
+        s.append_tokens(req, [res.token], [res.logprob], tops, 0)
+        if not req.finished:
+            s.running.append(req)
+        s.finish_round([req])
+
+    def adopt(self, req: Req) -> None:
+        """Gives the prompt's newly folded whole pages to the cache (req keeps them locked)."""
+        P, keys = self.P, req.meta["_cpc_keys"]
+        n = len(keys)
+        n_pages = min(len(req.comp_indices), (len(req.origin_input_ids) - 1) // P)
+        if n_pages <= n:
+            return
+        all_keys = page_keys(req.origin_input_ids[: n_pages * P], self.namespace)
+        taken = self.cache.insert(all_keys, req.comp_indices[n:n_pages], n)
+        self.cache.lock(all_keys[n : n + taken])
+        req.meta["_cpc_keys"] = all_keys[: n + taken]
