@@ -11,6 +11,7 @@ the drafter is exactly the questions' KV; every pool is whole again when the req
 from __future__ import annotations
 
 import socket
+import time
 import threading
 
 import pytest
@@ -189,4 +190,25 @@ def test_verifier_gone_while_prefilling_fails_requests_and_frees_their_memory(ll
     for r in out:
         assert r.finished_reason["type"] == "abort"
         assert "went away" in r.finished_reason["message"] or "not reachable" in r.finished_reason["message"]
+    assert_pools_whole(d)
+
+
+def test_disagg_bandwidth_delays_the_verifiers_kv_by_its_size(llama, batch, verifier, full_greedy):
+    """--disagg-bandwidth: the KV the verifier sends is usable only once the drafter's link carried
+    it, so the run lasts at least (bytes sent) / bandwidth; the output does not change. Equal to
+    --kv-store-bandwidth, the store and the verifier share the drafter's one link."""
+    store = dict(kv_store="file", kv_store_path=verifier.args.kv_store_path)
+    free = drafter(llama, verifier, **store)
+    run(free, batch, "b0")
+    sent = free.remote_prefill.stats["kv_bytes_received"] + free.spec_worker.stats["round_kv_bytes"]
+    rate = int(sent / 0.5)  # half a second of link time
+    d = drafter(llama, verifier, disagg_bandwidth=str(rate), kv_store_bandwidth=str(rate), **store)
+    assert d.spec_worker.rx_link is None
+    t0 = time.perf_counter()
+    out = run(d, batch, "b1")
+    wall = time.perf_counter() - t0
+    assert [r.output_ids for r in out] == full_greedy
+    assert d.remote_prefill.stats["kv_bytes_received"] + d.spec_worker.stats["round_kv_bytes"] == sent
+    assert d.spec_worker.rx_link is d.prefix_store.store.link  # one link for the store and the verifier
+    assert wall >= sent / rate
     assert_pools_whole(d)

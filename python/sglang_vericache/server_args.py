@@ -99,6 +99,7 @@ class ServerArgs:
     disagg_port: int | None = None  # verifier: the TCP port it binds (on --host)
     disagg_timeout: float = 10.0  # seconds of silence before the peer counts as gone
     disagg_prefill: str = "local"  # drafter: local | verifier (remote prefix caching, disagg/remote_prefill.py)
+    disagg_bandwidth: str | None = None  # drafter: bytes/s of its link to the verifier; None = unthrottled
 
     # Sampling defaults.
     random_seed: int = 0
@@ -234,6 +235,10 @@ class ServerArgs:
         if self.disagg_prefill not in DISAGG_PREFILLS:
             raise ValueError(f"--disagg-prefill must be one of {', '.join(DISAGG_PREFILLS)}, "
                              f"got {self.disagg_prefill!r}")
+        if self.disagg_bandwidth is not None:
+            if role != "drafter":
+                raise ValueError("--disagg-bandwidth is for --disagg-role drafter")
+            parse_bytes(self.disagg_bandwidth, "--disagg-bandwidth")
         if self.disagg_prefill == "verifier":
             if role != "drafter":
                 raise ValueError("--disagg-prefill verifier is for --disagg-role drafter")
@@ -363,6 +368,10 @@ class ServerArgs:
                  "prefix (from its cache or --kv-store, over its slow link); the verifier loads the exact prefix "
                  "from its own store, prefills the rest, and returns the first token and the exact KV of the "
                  "positions past the drafter's compressed pages.")
+        add("--disagg-bandwidth", type=str, default=None,
+            help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
+                 "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
+                 "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
         add("--disagg-timeout", type=float, default=d["disagg_timeout"].default,
             help="Seconds without an answer before the drafter fails the requests the verifier held (and "
                  "without a message before the verifier drops a drafter's sessions).")

@@ -87,6 +87,7 @@ class PrefillResult:
     input_top_logprobs: list | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -69,9 +69,11 @@ class RemotePrefill:
 
     def step(self) -> None:
         """Applies the prefills that arrived, drops cancelled ones, admits waiting requests."""
-        for res in self.arrived:
+        now = time.perf_counter()
+        ready = [r for r in self.arrived if r.meta.get("ready_at", 0.0) <= now]  # --disagg-bandwidth
+        self.arrived = [r for r in self.arrived if r.meta.get("ready_at", 0.0) > now]
+        for res in ready:
             self.apply(res)
-        self.arrived.clear()
         for rid, req in list(self.prefilling.items()):
             if req.to_abort or rid not in self.worker.sessions:  # aborted, or failed by the worker
                 self.drop(req, req.to_abort or "the verifier session ended")

@@ -45,6 +45,8 @@ from sglang_vericache.constrained.grammar_backend import grammar_key
 from sglang_vericache.disagg.messages import (
     CloseSession, Hello, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun,
 )
+from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
+from sglang_vericache.server_args import parse_bytes
 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 
 if TYPE_CHECKING:
@@ -143,8 +145,9 @@ class RemoteVerifyWorker(VeriCacheWorker):
         self.stagger = True  # every other session's first round drafts half-length (see the docstring)
         # Counters, and (when a list is set here) a trace of (time, event, rids) for tests.
         self.stats = {"draft_forwards": 0, "draft_forwards_while_inflight": 0, "runs_sent": 0,
-                      "results_applied": 0, "requests_failed": 0}
+                      "results_applied": 0, "requests_failed": 0, "round_kv_bytes": 0}
         self.trace: list | None = None
+        self.rx_link: LinkThrottle | None = None  # --disagg-bandwidth, made at the first message
         self.wait_for_verifier()
 
     def wait_for_verifier(self) -> None:
@@ -248,6 +251,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
         self.link.epoch = epoch
         if isinstance(msg, Pong):
             return
+        if isinstance(msg, (PrefillResult, VerifyResult)) and msg.k is not None:
+            self.book_rx(msg)
         if isinstance(msg, PrefillResult):
             if self.s.remote_prefill is not None:
                 self.s.remote_prefill.on_message(msg)
@@ -263,6 +268,21 @@ class RemoteVerifyWorker(VeriCacheWorker):
         elif self.inflight.get(msg.rid, (None,))[0] == msg.round_id:
             self.arrived[msg.rid] = msg
             self.trace_event("result", [msg.rid])
+
+    def book_rx(self, msg) -> None:
+        """--disagg-bandwidth: msg's KV is usable once the drafter's link has carried it
+        (meta["ready_at"]); the link is the store's when both flags name the same rate."""
+        args = self.s.server_args
+        if args.disagg_bandwidth is None:
+            return
+        if self.rx_link is None:
+            store = self.s.prefix_store.store if self.s.prefix_store is not None else None
+            same = args.kv_store_bandwidth is not None and (
+                parse_bytes(args.kv_store_bandwidth) == parse_bytes(args.disagg_bandwidth))
+            self.rx_link = store.link if same and isinstance(store, ThrottledStore) else LinkThrottle(
+                parse_bytes(args.disagg_bandwidth, "--disagg-bandwidth"))
+        nbytes = 2 * msg.k.numel() * msg.k.element_size()
+        msg.meta["ready_at"] = self.rx_link.reserve(nbytes, time.perf_counter())
 
     def trace_event(self, event: str, rids: list[str]) -> None:
         if self.trace is not None:
@@ -321,7 +341,10 @@ class RemoteVerifyWorker(VeriCacheWorker):
         s = self.s
         group, draft_s, verify_s = [], 0.0, 0.0
         kv = s.model_runner.token_to_kv_pool
+        now = time.perf_counter()
         for rid in list(self.arrived):
+            if self.arrived[rid].meta.get("ready_at", 0.0) > now:
+                continue  # still crossing the drafter's link (--disagg-bandwidth)
             res, req = self.arrived.pop(rid), self.sessions[rid]
             t_start = req.meta.pop("_round")
             _, t_sent = self.inflight.pop(rid)
@@ -332,6 +355,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
                 continue
             for layer in range(kv.num_layers):
                 kv.set_kv_buffer(layer, slots[:m], res.k[layer], res.v[layer])
+            self.stats["round_kv_bytes"] += 2 * res.k.numel() * res.k.element_size()
             req.meta["_result"] = res
             group.append(req)
             draft_s += t_sent - t_start

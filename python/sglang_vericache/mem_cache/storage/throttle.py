@@ -35,13 +35,18 @@ class LinkThrottle:
         """Link time of nbytes alone (what a scheduler budgets)."""
         return nbytes / self.bandwidth
 
+    def reserve(self, nbytes: int, started: float) -> float:
+        """Books the transfer of nbytes that began at `started`; -> when it is through (no sleep)."""
+        with self._lock:
+            end = max(started, self._free_at) + nbytes / self.bandwidth
+            self._free_at = end
+        return end
+
     def charge(self, nbytes: int, started: float) -> float:
         """Blocks until the transfer of nbytes that began at `started` is through; -> seconds slept."""
         if nbytes <= 0:
             return 0.0
-        with self._lock:
-            end = max(started, self._free_at) + nbytes / self.bandwidth
-            self._free_at = end
+        end = self.reserve(nbytes, started)
         left = end - self.clock()
         if left > 0:
             self.sleep(left)
