@@ -38,8 +38,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import RESULTS, heldout_files, machine, write_results  # noqa: F401  (RESULTS: for readers)
-
+from common import heldout_files, machine, write_results
 from sglang_vericache.managers.io_struct import SchedulerError
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
@@ -239,7 +238,7 @@ def main() -> None:
         f"slow link (instance<->store) {args.slow_link}/s, fast link (verifier<->store) {args.fast_link}/s, "
         f"{args.compressor} compressed tier, X={args.draft_tokens}, page {args.page_size}, dtype {args.dtype}; "
         f"threads: single instance {args.threads_single}, drafter 1 + verifier 1; median of {args.repeats}; "
-        f"machine: {machine()}\n"
+        f"machine: {machine(threads=False)}\n"
     )
     lines = [header,
              "| mode | output tok/s | vs slow-store | TTFT median s | TTFT vs slow-store | output = full "
@@ -252,7 +251,7 @@ def main() -> None:
         tv = f"{r['ttft_vs_slow_store']:.2f}x" if base else "-"
         lines.append(f"| {r['mode']} | {r['tok_s_median']:.1f} | {vs} | {r['ttft_median_s']:.2f} | {tv} | {same} | "
                      f"{r['slow_link_mb']:.1f} | {r['verifier_kv_mb']:.1f} | {tpr} |")
-    write_results("remote_prefix", {"args": vars(args), "machine": machine(), "rows": rows}, "\n".join(lines))
+    write_results("remote_prefix", {"args": vars(args), "machine": machine(threads=False), "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -23,14 +23,17 @@ from sglang_vericache.testing.scheduler_harness import make_request, run_to_comp
 RESULTS = Path(__file__).parent / "results"
 
 
-def machine() -> str:
+def machine(threads: bool = True) -> str:
+    """The CPU, its cores and torch; with threads, torch's thread count now (benchmarks that run
+    processes with different counts say so themselves)."""
     cpu = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return text + (f" ({torch.get_num_threads()} threads)" if threads else "")
 
 
 # ---------------------------------------------------------------- prompts

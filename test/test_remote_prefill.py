@@ -11,8 +11,8 @@ the drafter is exactly the questions' KV; every pool is whole again when the req
 from __future__ import annotations
 
 import socket
-import time
 import threading
+import time
 
 import pytest
 import torch

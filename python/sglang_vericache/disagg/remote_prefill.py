@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from sglang_vericache.disagg.messages import OpenSession, PrefillResult
+from sglang_vericache.disagg.messages import PrefillResult
 from sglang_vericache.mem_cache.prefix_store import model_identity
 from sglang_vericache.mem_cache.storage.hash_chain import StoreNamespace, page_keys
 
@@ -181,7 +181,7 @@ class RemotePrefill:
             self.arrived.append(res)
 
     def apply(self, res: PrefillResult) -> None:
-        s, P = self.s, self.P
+        s = self.s
         req = self.prefilling.pop(res.rid, None)
         if req is None or req.to_abort:
             if req is not None:

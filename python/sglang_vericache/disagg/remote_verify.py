@@ -43,7 +43,13 @@ import zmq
 
 from sglang_vericache.constrained.grammar_backend import grammar_key
 from sglang_vericache.disagg.messages import (
-    CloseSession, Hello, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun,
+    CloseSession,
+    Hello,
+    OpenSession,
+    Pong,
+    PrefillResult,
+    VerifyResult,
+    VerifyRun,
 )
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import parse_bytes

@@ -33,7 +33,13 @@ import torch
 import zmq
 
 from sglang_vericache.disagg.messages import (
-    CloseSession, Hello, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun,
+    CloseSession,
+    Hello,
+    OpenSession,
+    Pong,
+    PrefillResult,
+    VerifyResult,
+    VerifyRun,
 )
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
