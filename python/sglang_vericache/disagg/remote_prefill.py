@@ -4,9 +4,12 @@ Remote prefix caching (the paper's second scenario): this instance reaches the K
 link, the verifier over a fast one. So the drafter moves only compressed pages and never a prompt's
 exact KV:
 
-    admit     the prompt's compressed prefix: cached pages (CompressedPrefixCache), then the next
-              ones from the store's compressed tier; a req_to_token row whose exact slots start at
-              that prefix's end; OpenSession(kv_from = prefix tokens). Runs instead of prefill.
+    prefetch  for the first PREFETCH_AHEAD waiting requests, a thread fetches the compressed pages
+              of their prompts that are neither cached nor being fetched (the store's slow link
+              moves them while this instance drafts); fetched pages go into the cache as they land.
+    admit     the request at the head of the queue, once its fetch is in: its cached compressed
+              prefix, a req_to_token row whose exact slots start at that prefix's end, and
+              OpenSession(kv_from = prefix tokens). Runs instead of prefill.
     on result the verifier loaded the exact prefix from its own store, prefilled the rest and sent
               the first token and the exact KV of prompt positions [kv_from, prompt_len): that KV
               goes into this request's slots, its whole pages fold into the compressed tier and are
@@ -24,9 +27,10 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
-import torch
 import zmq
 
 from sglang_vericache.disagg.messages import PrefillResult
@@ -40,7 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-WAIT_MS = 20  # longest wait for a prefill result when nothing else can run
+WAIT_MS = 20  # longest wait for a prefill result (or a prefetch) when nothing else can run
+PREFETCH_AHEAD = 4  # waiting requests whose pages are fetched ahead of their admission
 
 
 class RemotePrefill:
@@ -58,7 +63,12 @@ class RemotePrefill:
                                             args.kv_compressor, args.kv_compression_ratio)
         self.prefilling: dict[str, Req] = {}
         self.arrived: list[PrefillResult] = []
-        self.stats = {"prefills_requested": 0, "prefills_applied": 0, "cached_pages_hit": 0,
+        # Prefetch: one thread moves store pages over the slow link while this one drafts.
+        has_store = store is not None and store.comp is not None
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch") if has_store else None
+        self.fetches: list[tuple[Future, list[str], int, Req]] = []  # (future, req's keys, first fetched, req)
+        self.fetching_keys: set[str] = set()
+        self.stats = {"prefills_requested": 0, "prefills_applied": 0, "prefix_pages": 0,
                       "store_pages_loaded": 0, "kv_bytes_received": 0}
 
     @property
@@ -80,8 +90,10 @@ class RemotePrefill:
         self.admit()
 
     def wait(self) -> None:
-        """Nothing is running: sleep until the verifier (or a new request) speaks."""
+        """Nothing is running: sleep until the verifier (or a new request) speaks, or a fetch lands."""
         if not self.prefilling:
+            if self.fetches:
+                wait_futures([f for f, *_ in self.fetches], timeout=WAIT_MS / 1000, return_when=FIRST_COMPLETED)
             return
         poller = zmq.Poller()
         poller.register(self.worker.link.sock, zmq.POLLIN)
@@ -100,6 +112,7 @@ class RemotePrefill:
 
     def admit(self) -> None:
         s, P = self.s, self.P
+        self.prefetch()
         while s.waiting_queue:
             if len(s.running) + len(self.prefilling) >= s.server_args.max_running_requests:
                 return
@@ -108,19 +121,13 @@ class RemotePrefill:
                 s.waiting_queue.popleft()
                 self.fail_waiting(req, f"verifier at {self.worker.link.addr} is not reachable")
                 continue
+            if self.fetch_pending(req):
+                return  # its pages are on the way; running requests draft meanwhile
             n_prompt = len(req.origin_input_ids)
-            keys = page_keys(req.origin_input_ids[: (n_prompt - 1) // P * P], self.namespace)
+            keys = self.keys(req)
             ids = self.cache.match(keys)
-            self.cache.lock(keys[: len(ids)])
-            loaded = self.load_from_store(keys, len(ids))
-            if len(loaded):
-                taken = self.cache.insert(keys, loaded, len(ids))  # all of them: the run is past the match
-                assert taken == len(loaded)
-                self.cache.lock(keys[len(ids) : len(ids) + taken])
-                self.stats["store_pages_loaded"] += taken
-            self.stats["cached_pages_hit"] += len(ids)
-            ids = torch.cat([ids, loaded])
             held = keys[: len(ids)]
+            self.cache.lock(held)
             if not self.reserve(req, len(ids)):
                 self.cache.unlock(held)
                 if not s.running and not self.prefilling:
@@ -137,6 +144,7 @@ class RemotePrefill:
                 raise RuntimeError("exact slots vanished between reserve and alloc")
             req.cached_tokens = prefix
             req.meta["compressed_prefix_tokens"] = prefix
+            self.stats["prefix_pages"] += len(ids)
             s.waiting_queue.popleft()
             if not self.worker.send_open(req, kv_from=prefix):
                 self.drop(req, f"verifier at {self.worker.link.addr} is not reachable")
@@ -167,12 +175,67 @@ class RemotePrefill:
             self.cache.evict_compressed(short)
         return chunks <= s.two_tier.pool.available_chunks()
 
-    def load_from_store(self, keys: list[str], start: int) -> torch.Tensor:
-        """Compressed pages keys[start:] from the store into new chunks (the run that is stored)."""
-        store = self.s.prefix_store
-        if store is None or store.comp is None or start >= len(keys):
-            return torch.empty(0, dtype=torch.int64)
-        return store.load_compressed(keys, start)
+    # ------------------------------------------------------------------ prefetch
+
+    def keys(self, req: Req) -> list[str]:
+        """Hash-chain keys of the prompt's whole pages before its last token."""
+        if "_keys" not in req.meta:
+            n = (len(req.origin_input_ids) - 1) // self.P * self.P
+            req.meta["_keys"] = page_keys(req.origin_input_ids[:n], self.namespace)
+        return req.meta["_keys"]
+
+    def prefetch(self) -> None:
+        """Collects landed fetches, then starts one for each of the first waiting requests whose
+        prompt misses pages that no fetch is bringing (each request fetches at most once)."""
+        self.collect()
+        if self.fetcher is None:
+            return
+        for req in list(self.s.waiting_queue)[:PREFETCH_AHEAD]:
+            if "_fetch" in req.meta:
+                continue
+            keys = self.keys(req)
+            start = len(self.cache.match(keys))
+            if start == len(keys):
+                req.meta["_fetch"] = None  # all cached: nothing to fetch
+            elif keys[start] not in self.fetching_keys:  # else: wait for the fetch that brings it
+                missing = keys[start:]
+                future = self.fetcher.submit(self.s.prefix_store.fetch_compressed, missing)
+                self.fetches.append((future, keys, start, req))
+                self.fetching_keys.update(missing)
+                req.meta["_fetch"] = future
+
+    def fetch_pending(self, req: Req) -> bool:
+        """True while req's fetch, or one bringing a page it misses, is in flight."""
+        if self.fetcher is None:
+            return False
+        self.prefetch()  # req is at the head of the queue: started now if it was waiting on another
+        if "_fetch" not in req.meta:
+            return True  # a fetch started for another request brings its first missing page
+        mine = req.meta["_fetch"]
+        return mine is not None and any(f is mine for f, *_ in self.fetches)  # not collected yet
+
+    def collect(self) -> None:
+        """Landed fetches -> chunks in the cache (under the keys they were fetched for)."""
+        still = []
+        for future, keys, start, req in self.fetches:
+            if not future.done():
+                still.append((future, keys, start, req))
+                continue
+            self.fetching_keys.difference_update(keys[start:])
+            try:
+                payloads, nbytes, seconds = future.result()
+            except Exception:  # a DegradingStore never raises; anything else must not stop serving
+                logger.exception("prefetching compressed pages failed; the verifier will send that KV")
+                continue
+            cached = len(self.cache.match(keys))
+            if cached < start:  # the prefix it continues was evicted meanwhile: no place for them
+                continue
+            payloads = payloads[cached - start :]
+            ids = self.s.prefix_store.install_compressed(payloads, nbytes, seconds)
+            taken = self.cache.insert(keys, ids, cached)
+            self.s.two_tier.pool.free(ids[taken:])
+            self.stats["store_pages_loaded"] += taken
+        self.fetches = still
 
     # ------------------------------------------------------------------ results
 

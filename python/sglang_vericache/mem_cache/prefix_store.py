@@ -35,7 +35,11 @@ import torch
 from sglang_vericache.mem_cache.storage import create_store
 from sglang_vericache.mem_cache.storage.hash_chain import StoreNamespace
 from sglang_vericache.mem_cache.storage.page_store import (
-    PageStore, read_compressed_pages, read_exact_pages, write_compressed_pages, write_exact_pages,
+    PageStore,
+    read_compressed_pages,
+    read_exact_pages,
+    write_compressed_pages,
+    write_exact_pages,
 )
 from sglang_vericache.mem_cache.storage.serialize import compressed_page_spec, exact_page_spec
 
@@ -226,10 +230,32 @@ class PrefixStore:
         st.read_seconds += time.perf_counter() - t0
         return slots[: m * P], present > n
 
-    def load_compressed(self, keys: list[str], start: int) -> torch.Tensor:
-        """Compressed pages keys[start:] (the stored run of them) into new chunk ids, outside the
-        radix tree: for a drafter that caches compressed pages alone (disagg/remote_prefill.py)."""
-        return self._load_comp(keys[start:])
+    # A drafter that caches compressed pages alone (disagg/remote_prefill.py) loads in two halves:
+    # fetch_compressed runs on its prefetch thread (store calls only, never the pools) and
+    # install_compressed on the scheduler's (chunks from the pool).
+
+    def fetch_compressed(self, keys: list[str]) -> tuple[list, int, float]:
+        """Payloads of the stored run of pages keys (from keys[0]); -> (payloads, bytes, seconds)."""
+        t0, bytes0 = time.perf_counter(), self.store.stats.bytes_out
+        present = self.comp.match_prefix(keys)
+        payloads = self.comp.get_pages(keys[:present]) if present else []
+        self.stats["compressed"].pages_missed += len(keys) - len(payloads)
+        return payloads, self.store.stats.bytes_out - bytes0, time.perf_counter() - t0
+
+    def install_compressed(self, payloads: list, nbytes: int, seconds: float) -> torch.Tensor:
+        """New chunk ids holding payloads, as many as the pool has room for (the rest skipped)."""
+        st = self.stats["compressed"]
+        pool = self.s.two_tier.pool
+        n = min(len(payloads), pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks())
+        ids = self.s.two_tier.alloc_chunks(n) if n else None
+        if ids is None:
+            n, ids = 0, _EMPTY
+        write_compressed_pages(pool, ids, payloads[:n])
+        st.pages_hit += n
+        st.pages_skipped += len(payloads) - n
+        st.bytes_read += nbytes
+        st.read_seconds += seconds
+        return ids
 
     def _load_comp(self, keys: list[str]) -> torch.Tensor:
         """Compressed chunks of the pages keys (from the store) into new chunk ids."""
