@@ -141,6 +141,35 @@ def test_both_extend_layouts_match_hf(layout, checkpoints, hf_models):
     assert (logits - ref).abs().max().item() < LOGIT_ATOL
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_prompts_from_position_zero_take_the_causal_kernel_and_match_the_masked_one(layout, checkpoints):
+    """Prompts with no cached prefix attend with SDPA's is_causal kernel (no mask); prompts after
+    a prefix, and padded batches of unequal prompts, keep the explicit mask. Both agree."""
+    runner = make_runner(checkpoints["llama"])
+    backend = runner.attn_backend
+    backend.force_layout = layout
+    prompt = PROMPTS[2]  # 23 tokens: 8 cached, then 15
+
+    def causal_flags() -> list[bool]:  # the metadata the last forward attended with
+        md = backend.forward_metadata
+        return [md.causal] if layout == "padded" else [b.causal for b in md.blocks]
+
+    fast = runner.forward(prepare_forward_batch(runner, [new_req(runner)], [prompt],
+                                                logits_indices=torch.arange(len(prompt))))
+    assert causal_flags() == [True]
+    req = new_req(runner)
+    runner.forward(prepare_forward_batch(runner, [req], [prompt[:8]]))
+    masked = runner.forward(prepare_forward_batch(runner, [req], [prompt[8:]],
+                                                  logits_indices=torch.arange(len(prompt) - 8)))
+    assert causal_flags() == [False]
+    assert (masked - fast[8:]).abs().max().item() < 5e-5
+    assert torch.equal(masked.argmax(-1), fast[8:].argmax(-1))
+    if layout == "padded":
+        assert len(PROMPTS[0]) != len(PROMPTS[1])
+        runner.forward(prepare_forward_batch(runner, [new_req(runner), new_req(runner)], PROMPTS[:2]))
+        assert causal_flags() == [False]
+
+
 def test_sharded_checkpoint_loads_identical_weights(checkpoints, tmp_path):
     sharded = make_random_checkpoint("llama", str(tmp_path / "sharded"), max_shard_size="100KB")
     with open(os.path.join(sharded, "model.safetensors.index.json")) as f:

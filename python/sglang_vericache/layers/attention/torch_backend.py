@@ -63,6 +63,7 @@ class PaddedMetadata:
     q_index: torch.Tensor | None  # [B*Lq] token row of each padded query (None: identity)
     out_index: torch.Tensor | None  # [T] padded row of each real token (None: identity)
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # group size -> SDPA mask
+    causal: bool = False  # allowed is exactly tril(Lq, S) with Lq == S: SDPA's is_causal kernel
 
 
 @dataclass
@@ -81,6 +82,7 @@ class RaggedBlock:
     kv_index: torch.Tensor  # [1, S_block]
     allowed: torch.Tensor  # [1, q_len, S_block]
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    causal: bool = False  # as PaddedMetadata.causal
 
 
 @dataclass
@@ -162,7 +164,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             valid = i < ext[:, None]  # [B, Lq]
             q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
             out_index = valid.flatten().nonzero().squeeze(1)
-        return PaddedMetadata(fb.batch_size, max_q, kv_index, allowed, q_index, out_index)
+        prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+        causal = (allowed is not None and q_index is None and max_q == max_s and not any(prefix_lens)
+                  and min(fb.seq_lens_cpu or fb.seq_lens.tolist()) == max_s)
+        return PaddedMetadata(fb.batch_size, max_q, kv_index, allowed, q_index, out_index, causal=causal)
 
     def _mixed(self, fb: ForwardBatch) -> MixedMetadata:
         nd, bs, dev = fb.num_draft, fb.batch_size, fb.input_ids.device
@@ -197,7 +202,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 allowed = _causal_mask(
                     torch.tensor([prefix + b0], device=dev), torch.tensor([kv_len], device=dev), q_len, kv_len
                 )
-                blocks.append(RaggedBlock(q_start + b0, q_len, req_to_token[r : r + 1, :kv_len], allowed))
+                blocks.append(RaggedBlock(q_start + b0, q_len, req_to_token[r : r + 1, :kv_len], allowed,
+                                          causal=prefix + b0 == 0))
             q_start += ext
         return RaggedMetadata(blocks)
 
@@ -325,6 +331,11 @@ def _attend(
     values = v_buf.index_select(0, flat).view(bs, s, hkv, -1).transpose(1, 2)  # [B, Hkv, S, Dv]
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if md.causal:  # a prompt from position 0: the causal kernel skips the masked half of the scores
+        qh = q.view(bs, q_len, h, d).transpose(1, 2)  # [B, H, Lq, D]; head i reads KV head i // g
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=layer.scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(bs * q_len, -1)
     return _grouped_sdpa(q, keys, values, _sdpa_mask(md, g), bs, q_len, layer)
 
 
