@@ -10,11 +10,15 @@ the drafter is exactly the questions' KV; every pool is whole again when the req
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+import requests
 import torch
 
 from sglang_vericache.disagg.verifier import VerifierServer
@@ -223,3 +227,45 @@ def test_disagg_bandwidth_delays_the_verifiers_kv_by_its_size(llama, batch, veri
     assert d.spec_worker.rx_link is d.prefix_store.store.link  # one link for the store and the verifier
     assert wall >= sent / rate
     assert_pools_whole(d)
+
+
+def test_http_drafter_with_remote_prefill_serves_full_mode_text(tmp_path, server):
+    """launch_server end to end: a verifier process and an HTTP drafter with --disagg-prefill
+    verifier answer /generate (plain and streamed) with full mode's tokens; the second prompt on
+    the same document drafts over the document's cached compressed pages."""
+    from sglang_vericache.server_args import default_model_path
+
+    model, store = default_model_path(), str(tmp_path / "store")
+    port = free_port()
+    verifier_proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_vericache.launch_server", "--model-path", model, "--dtype", "float32",
+         "--disagg-role", "verifier", "--disagg-port", str(port), "--kv-store", "file", "--kv-store-path", store],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "verifier ready" in verifier_proc.stdout.readline()
+        drafter_srv = server(model, "--dtype", "float32", "--kv-compressor", "int8", "--speculative-algorithm",
+                             "VERICACHE", "--disagg-role", "drafter", "--verifier-addr", f"tcp://127.0.0.1:{port}",
+                             "--disagg-prefill", "verifier", "--kv-store", "file", "--kv-store-path", store)
+        full_srv = server(model, "--dtype", "float32")
+        doc = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(24))
+        prompts = [doc + "def main():\n", doc + "class Point:\n"]
+        params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        for i, text in enumerate(prompts):
+            body = {"text": text, "sampling_params": params}
+            want = requests.post(full_srv.base_url + "/generate", json=body, timeout=120).json()
+            got = requests.post(drafter_srv.base_url + "/generate", json=body, timeout=120).json()
+            assert got["output_ids"] == want["output_ids"], drafter_srv.log_tail()
+            assert got["text"] == want["text"]
+            # The second prompt shares 385 tokens with the first: 24 whole pages of 16, adopted
+            # from the first request's prefill.
+            assert got["meta_info"]["compressed_prefix_tokens"] == [0, 24 * 16][i]
+            streamed = ""
+            with requests.post(drafter_srv.base_url + "/generate", json={**body, "stream": True}, stream=True,
+                               timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        streamed = json.loads(line[6:])["text"]
+            assert streamed == want["text"]
+    finally:
+        verifier_proc.terminate()
+        verifier_proc.wait(30)
