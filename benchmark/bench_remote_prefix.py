@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import heldout_files, machine, write_results
+from common import RESULTS, heldout_files, machine, write_results
 from sglang_vericache.managers.io_struct import SchedulerError
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
@@ -251,7 +251,34 @@ def main() -> None:
         tv = f"{r['ttft_vs_slow_store']:.2f}x" if base else "-"
         lines.append(f"| {r['mode']} | {r['tok_s_median']:.1f} | {vs} | {r['ttft_median_s']:.2f} | {tv} | {same} | "
                      f"{r['slow_link_mb']:.1f} | {r['verifier_kv_mb']:.1f} | {tpr} |")
-    write_results("remote_prefix", {"args": vars(args), "machine": machine(threads=False), "rows": rows}, "\n".join(lines))
+    write_results("remote_prefix", {"args": vars(args), "machine": machine(threads=False), "rows": rows},
+                  "\n".join(lines))
+    plot(rows, args, RESULTS / "remote_prefix.png")
+    print(f"wrote {RESULTS / 'remote_prefix.png'}")
+
+
+def plot(rows: list[dict], args, path) -> None:
+    """Output tokens/s and median TTFT per mode, side by side, with the bytes on the slow link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["mode"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    bars = a.bar(names, [r["tok_s_median"] for r in rows], color=["tab:gray", "tab:orange", "tab:blue"][: len(rows)])
+    for bar, r in zip(bars, rows):
+        a.annotate(f"{r['slow_link_mb'] + r['verifier_kv_mb']:.0f} MB on\nthe slow link", (bar.get_x() + 0.4, 0),
+                   xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7, color="white")
+    a.set_ylabel("output tokens/s (higher is better)")
+    b.bar(names, [r["ttft_median_s"] for r in rows], color=["tab:gray", "tab:orange", "tab:blue"][: len(rows)])
+    b.set_ylabel("median time to first token, s (lower is better)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"Remote prefix caching: {args.docs} x {args.doc_len}-token stored documents, slow link "
+                 f"{args.slow_link}/s, fast link {args.fast_link}/s ({args.compressor})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
