@@ -187,6 +187,15 @@ def test_logprobs_and_input_logprobs_come_from_the_verifier(llama, batch, verifi
 def test_remote_prefill_flags_are_checked():
     with pytest.raises(ValueError, match="--disagg-prefill verifier is for --disagg-role drafter"):
         ServerArgs(model_path="x", disagg_prefill="verifier")
+    with pytest.raises(ValueError, match="--disagg-prefill must be one of local, verifier"):
+        ServerArgs(model_path="x", disagg_prefill="remote")
+    with pytest.raises(ValueError, match="--disagg-bandwidth is for --disagg-role drafter"):
+        ServerArgs(model_path="x", disagg_bandwidth="1GB")
+    drafter_flags = dict(model_path="x", kv_compressor="int8", speculative_algorithm="VERICACHE",
+                         disagg_role="drafter", verifier_addr="tcp://127.0.0.1:5")
+    with pytest.raises(ValueError, match="--disagg-bandwidth"):
+        ServerArgs(disagg_bandwidth="fast", **drafter_flags)
+    assert ServerArgs(disagg_prefill="verifier", kv_store="file", **drafter_flags).kv_store_tier_set == ("compressed",)
     with pytest.raises(ValueError, match="can only be compressed"):
         ServerArgs(model_path="x", kv_compressor="int8", speculative_algorithm="VERICACHE", disagg_role="drafter",
                    verifier_addr="tcp://127.0.0.1:5", disagg_prefill="verifier", kv_store="file",
