@@ -275,6 +275,14 @@ def test_http_drafter_with_remote_prefill_serves_full_mode_text(tmp_path, server
                     if line.startswith(b"data: ") and line != b"data: [DONE]":
                         streamed = json.loads(line[6:])["text"]
             assert streamed == want["text"]
+        info = requests.get(drafter_srv.base_url + "/server_info", timeout=30).json()
+        assert info["disagg"] == {"role": "drafter", "verifier_addr": f"tcp://127.0.0.1:{port}",
+                                  "prefill": "verifier", "bandwidth": None}
+        metrics = requests.get(drafter_srv.base_url + "/metrics", timeout=30).text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in metrics.splitlines() if line.startswith("sglang:remote_")}
+        assert values["sglang:remote_prefills_total"] == 4  # two prompts, plain and streamed
+        assert values["sglang:remote_prefill_pending"] == 0
     finally:
         verifier_proc.terminate()
         verifier_proc.wait(30)

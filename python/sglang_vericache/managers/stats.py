@@ -69,11 +69,28 @@ class SchedulerMetrics:
                 "kv_mode": s.mode,
                 **self.two_tier_extra(s),
                 **(s.prefix_store.metrics() if getattr(s, "prefix_store", None) is not None else {}),
+                **self.remote_prefill_extra(s),
                 "num_finished_total": self.num_finished_total,
                 "evictable_tokens": s.tree_cache.evictable_size(),
                 "free_tokens": s.allocator.available_size(),
             },
         )
+
+    def remote_prefill_extra(self, s: Scheduler) -> dict:
+        """--disagg-prefill verifier: prefills asked of the verifier, compressed pages cached and
+        fetched, the verifier's exact KV received (prefill and rounds)."""
+        rp = getattr(s, "remote_prefill", None)
+        if rp is None:
+            return {}
+        st = rp.stats
+        return {
+            "remote_prefills_total": st["prefills_applied"],
+            "remote_prefill_pending": len(rp.prefilling),
+            "remote_prefix_pages_total": st["prefix_pages"],
+            "remote_store_pages_loaded_total": st["store_pages_loaded"],
+            "remote_cached_pages": len(s.tree_cache.pages),
+            "remote_kv_bytes_received_total": st["kv_bytes_received"] + s.spec_worker.stats["round_kv_bytes"],
+        }
 
     def two_tier_extra(self, s: Scheduler) -> dict:
         if s.two_tier is None:
