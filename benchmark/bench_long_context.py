@@ -62,7 +62,7 @@ def run_mode(args, prompts, server: dict):
         model_path=args.model_path, skip_tokenizer_init=True, page_size=args.page_size,
         device_kv_budget=args.device_kv_budget, max_running_requests=len(prompts),
         verify_staging_tokens=args.staging_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        num_threads=args.threads, dtype=args.dtype, **server))
+        num_threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, **server))
     reqs = [make_request(f"r{i}", p, max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     sched.timeline = []
@@ -149,6 +149,9 @@ def main() -> None:
                    help="Compute and KV dtype (auto = the checkpoint's). In bfloat16 a verify pass (many rows) "
                         "and a decode step (one row) round differently, so greedy outputs can part at "
                         "near-ties; float32 keeps them identical in practice.")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Exact KV storage dtype (auto = --dtype); e.g. float32 compute over bfloat16 KV halves "
+                        "the bytes each verification moves over the link.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of every mode; medians are reported.")
     p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
     args = p.parse_args()
@@ -157,6 +160,8 @@ def main() -> None:
     prompts = long_prompts(tok, args.model_path, args.num_requests, args.input_len)
     mc = ModelConfig.from_path(args.model_path)
     dtype = mc.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.kv_cache_dtype != "auto":
+        dtype = getattr(torch, args.kv_cache_dtype)  # budgets are in KV bytes
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * torch.empty(
         (), dtype=dtype).element_size()
     if args.host_kv_budget is None:
@@ -194,7 +199,7 @@ def main() -> None:
         f"tokens), {args.model_path}\n"
         f"device KV budget {parse_bytes(args.device_kv_budget) / 1e6:.1f} MB (exact KV of {args.full_fits:g} "
         f"requests), link {args.link_bandwidth}/s, {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, "
-        f"staging {args.staging_tokens} rows, dtype {args.dtype}; median of {args.repeats}; machine: {machine()}\n"
+        f"staging {args.staging_tokens} rows, dtype {args.dtype}, KV dtype {args.kv_cache_dtype}; median of {args.repeats}; machine: {machine()}\n"
     )
     lines = [header, "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

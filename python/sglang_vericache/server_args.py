@@ -52,6 +52,7 @@ class ServerArgs:
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # dtype of the exact KV pools; auto = --dtype
     device: str = "cpu"
     context_length: int | None = None
     chat_template: str | None = None
@@ -185,6 +186,11 @@ class ServerArgs:
         self.validate_disagg()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend != "torch":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch "
+                             f"(the {self.attention_backend} backend reads KV in the compute dtype)")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.page_size < 1:
@@ -284,6 +290,10 @@ class ServerArgs:
             help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
         add("--dtype", type=str, default=d["dtype"].default, choices=DTYPES,
             help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 checkpoints).")
+        add("--kv-cache-dtype", type=str, default=d["kv_cache_dtype"].default, choices=DTYPES,
+            help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
+                 "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every mode "
+                 "(full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to full.")
         add("--device", type=str, default=d["device"].default, help="Device to run on: cpu or cuda.")
         add("--context-length", type=int, default=None,
             help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")

@@ -69,9 +69,10 @@ class CompressorConfig:
 
     @staticmethod
     def from_model_config(
-        name: str, ratio: float, chunk_size: int, model_config, **options
+        name: str, ratio: float, chunk_size: int, model_config, dtype: torch.dtype | None = None, **options
     ) -> CompressorConfig:
-        """Shape and exact dtype from a ModelConfig (num_hidden_layers, num_key_value_heads, ...)."""
+        """Shape and exact dtype from a ModelConfig (num_hidden_layers, num_key_value_heads, ...);
+        dtype: the exact tier's when it differs from the model's (--kv-cache-dtype)."""
         m = model_config
         return CompressorConfig(
             name,
@@ -81,7 +82,7 @@ class CompressorConfig:
             num_kv_heads=m.num_key_value_heads,
             num_q_heads=m.num_attention_heads,
             head_dim=m.head_dim,
-            dtype=m.dtype,
+            dtype=m.dtype if dtype is None else dtype,
             **options,
         )
 

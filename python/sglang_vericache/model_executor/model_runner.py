@@ -29,6 +29,8 @@ class ModelRunner:
             torch.set_num_threads(server_args.num_threads)
         self.model_config = ModelConfig.from_server_args(server_args)
         self.dtype = self.model_config.dtype
+        kv = server_args.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv == "auto" else getattr(torch, kv)  # the exact KV pools' dtype
         self.page_size = server_args.page_size
         self.model = load_model(self.model_config, self.device)
         self.init_memory_pool()
@@ -40,7 +42,7 @@ class ModelRunner:
             size=args.max_running_requests + 8, max_context_len=cfg.context_len + 64, device=self.device
         )
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        bytes_per_token *= torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_token *= torch.tensor([], dtype=self.kv_dtype).element_size()
         # The exact pool is the accelerator's in full mode and the host tier in two-tier modes
         # (where the accelerator budget goes to the compressed tier instead).
         on_device = args.kv_mode == "full" and not args.kv_offload
@@ -63,7 +65,7 @@ class ModelRunner:
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         logger.info(

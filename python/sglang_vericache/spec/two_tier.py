@@ -36,7 +36,8 @@ class TwoTierKV:
         self.s = s
         self.page_size = s.page_size
         cfg = CompressorConfig.from_model_config(
-            args.kv_compressor, args.kv_compression_ratio, s.page_size, mc
+            args.kv_compressor, args.kv_compression_ratio, s.page_size, mc,
+            dtype=s.model_runner.token_to_kv_pool.dtype,
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers

@@ -51,7 +51,7 @@ class VeriCacheWorker:
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,
-            dtype=mc.dtype,
+            dtype=s.model_runner.token_to_kv_pool.dtype,
             device=s.model_runner.device,
         )
 

@@ -265,6 +265,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, dv)
         if save_kv_cache:  # the host tier keeps the exact KV of every verified token
             fb.token_to_kv_pool.set_kv_buffer(lid, out_loc, k, v)
+        # The new tokens see their own K/V as stored (--kv-cache-dtype), as a decode step would.
+        kv_dtype = fb.token_to_kv_pool.dtype
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
         staged = fb.staged.kv
         k_rows, v_rows = staged.layer(lid)
         try:
