@@ -50,6 +50,35 @@ def check_qkv(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
 
 
 @triton.jit
+def split_range(length, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of split `split`: length cut into NUM_SPLITS runs of whole BLOCK_N blocks."""
+    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    return lo, tl.minimum(lo + split_len, length)
+
+
+@triton.jit
+def load_query_group(q, b, h0, stride_qb, stride_qh, G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """Request b's G query heads [h0, h0 + G) (one KV head's group) as BLOCK_H rows -> (rows, rows_ok)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    rows_ok = offs_h < G
+    qv = tl.load(
+        q + b * stride_qb + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        mask=rows_ok[:, None],
+        other=0.0,
+    )
+    return qv, rows_ok
+
+
+@triton.jit
+def empty_softmax_state(BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """(running max, running sum, accumulator) before the first key block."""
+    return (tl.full([BLOCK_H], -1e30, tl.float32), tl.zeros([BLOCK_H], tl.float32),
+            tl.zeros([BLOCK_H, D], tl.float32))
+
+
+@triton.jit
 def online_softmax_block(q, k, v, valid, m_i, l_i, acc, sm_scale, DOT_F32: tl.constexpr):
     """One key block of flash attention. q [M, D], k/v [N, D], valid [M, N] (False: masked).
     State m_i/l_i [M] and acc [M, D] in float32; m_i starts at -1e30 (finite, so an all-masked

@@ -18,8 +18,11 @@ from sgl_kernel_ext._common import (
     check_qkv,
     default_splits,
     dot_f32,
+    empty_softmax_state,
+    load_query_group,
     new_partials,
     online_softmax_block,
+    split_range,
     store_partial,
 )
 from sgl_kernel_ext.decode_merge import merge_partials
@@ -66,22 +69,11 @@ def _exact_part_kernel(
     length = tl.load(lens + b).to(tl.int32)
     start = tl.load(starts + b).to(tl.int64)
     row = tl.load(rows + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, length)
-
-    offs_h = tl.arange(0, BLOCK_H)
+    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
     offs_d = tl.arange(0, D)
-    rows_ok = offs_h < G
     h0 = kvh * G
-    qv = tl.load(
-        q + b * stride_qb + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
-        mask=rows_ok[:, None],
-        other=0.0,
-    )
-    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
+    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
@@ -193,6 +185,34 @@ def draft_part(
         1,
         sm_scale,
     )
+
+
+def tail_drafts_and_merge(
+    q: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    first: int,
+    num_tail_splits: int,
+    sm_scale: float,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    tail_starts: torch.Tensor,
+    tail_lens: torch.Tensor,
+    draft_k_buffer: torch.Tensor | None,
+    draft_v_buffer: torch.Tensor | None,
+    draft_table: torch.Tensor | None,
+    draft_lens: torch.Tensor | None,
+) -> torch.Tensor:
+    """The parts after a compressed context: the exact tail into partials [first, first +
+    num_tail_splits), the draft rows (if draft_table is given) into the next one; -> the merge."""
+    exact_part(q, k_buffer, v_buffer, req_to_token, req_pool_indices, tail_starts, tail_lens, o_part, lse_part,
+               first, num_tail_splits, sm_scale)
+    if draft_table is not None:
+        draft_part(q, draft_k_buffer, draft_v_buffer, draft_table, draft_lens, o_part, lse_part,
+                   first + num_tail_splits, sm_scale)
+    return merge_partials(o_part, lse_part, torch.empty_like(q))
 
 
 def decode_attention(

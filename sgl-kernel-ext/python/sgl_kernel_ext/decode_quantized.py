@@ -22,12 +22,14 @@ from sgl_kernel_ext._common import (
     check_qkv,
     default_splits,
     dot_f32,
+    empty_softmax_state,
+    load_query_group,
     new_partials,
     online_softmax_block,
+    split_range,
     store_partial,
 )
-from sgl_kernel_ext.decode_exact import draft_part, exact_part
-from sgl_kernel_ext.decode_merge import merge_partials
+from sgl_kernel_ext.decode_exact import tail_drafts_and_merge
 
 BLOCK_N = 64
 KINDS = {"int8": 8, "kivi2": 2, "kivi4": 4}  # name -> bits
@@ -127,22 +129,11 @@ def _quantized_part_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(num_chunks + b).to(tl.int32) * T
-    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, length)
-
-    offs_h = tl.arange(0, BLOCK_H)
+    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
     offs_d = tl.arange(0, D)
-    rows_ok = offs_h < G
     h0 = kvh * G
-    qv = tl.load(
-        q + b * stride_qb + (h0 + offs_h)[:, None] * stride_qh + offs_d[None, :],
-        mask=rows_ok[:, None],
-        other=0.0,
-    )
-    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
+    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
@@ -213,8 +204,8 @@ def quantized_decode_attention(
     assert bits == 8 or (ks.stride(3) == 1 and vs.stride(3) == 1)
     scale = d**-0.5 if sm_scale is None else sm_scale
     splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * t, BLOCK_N)
-    has_draft = draft_table is not None
-    o_part, lse_part = new_partials(bs, nh, splits + num_tail_splits + int(has_draft), d, q.device)
+    num_parts = splits + num_tail_splits + int(draft_table is not None)
+    o_part, lse_part = new_partials(bs, nh, num_parts, d, q.device)
     _quantized_part_kernel[(bs, hkv, splits)](
         q,
         kc,
@@ -248,23 +239,7 @@ def quantized_decode_attention(
         D=d,
         DOT_F32=dot_f32(q),
     )
-    exact_part(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        tail_starts,
-        tail_lens,
-        o_part,
-        lse_part,
-        splits,
-        num_tail_splits,
-        scale,
+    return tail_drafts_and_merge(
+        q, o_part, lse_part, splits, num_tail_splits, scale, k_buffer, v_buffer, req_to_token, req_pool_indices,
+        tail_starts, tail_lens, draft_k_buffer, draft_v_buffer, draft_table, draft_lens,
     )
-    if has_draft:
-        draft_part(
-            q, draft_k_buffer, draft_v_buffer, draft_table, draft_lens, o_part, lse_part,
-            splits + num_tail_splits, scale,
-        )
-    return merge_partials(o_part, lse_part, torch.empty_like(q))
