@@ -39,10 +39,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from common import RESULTS, heldout_files, machine, write_results
-from sglang_vericache.managers.io_struct import SchedulerError
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
-from sglang_vericache.testing.scheduler_harness import make_request
+from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 MODES = ("full-recompute", "full-slow-store", "vericache")
 
@@ -86,31 +85,17 @@ def store_documents(args, documents, path: str) -> None:
           f"{st['compressed'].pages_written} compressed pages ({st['compressed'].bytes_written / 1e6:.1f} MB)")
 
 
-def drive(sched: Scheduler, reqs) -> dict:
-    """Submits reqs at once, steps to the end; -> per rid: output ids, time to first token."""
+def drive(sched: Scheduler, reqs) -> tuple[float, dict]:
+    """Submits reqs at once, steps to the end; -> (wall seconds, per-rid results). Fails on aborts."""
     t0 = time.perf_counter()
-    out = {r.rid: {"ids": [], "ttft": None, "finished": None} for r in reqs}
-    for r in reqs:
-        err = sched.handle_message(r)
-        if isinstance(err, SchedulerError):
-            raise SystemExit(f"request {r.rid} refused: {err.message}")
-    pending = set(out)
-    while pending:
-        sched.step()
-        outputs, sched.outbox = sched.outbox, []
-        now = time.perf_counter() - t0
-        for o in outputs:
-            rec = out[o.rid]
-            if o.new_output_ids and rec["ttft"] is None:
-                rec["ttft"] = now
-            rec["ids"].extend(o.new_output_ids)
-            if o.finished_reason is not None:
-                rec["finished"] = o.finished_reason
-                pending.discard(o.rid)
-    for rid, rec in out.items():
-        if rec["finished"]["type"] == "abort":
-            raise SystemExit(f"request {rid} failed: {rec['finished'].get('message')}")
-    return {"wall": time.perf_counter() - t0, "requests": out}
+    try:
+        res = run_to_completion(sched, reqs)
+    except ValueError as e:
+        raise SystemExit(f"a request was refused: {e}") from e
+    for rid, r in res.items():
+        if r.finished_reason["type"] == "abort":
+            raise SystemExit(f"request {rid} failed: {r.finished_reason.get('message')}")
+    return time.perf_counter() - t0, res
 
 
 def start_verifier(args, store: str) -> tuple[subprocess.Popen, int]:
@@ -146,22 +131,22 @@ def run_mode(args, name: str, prompts, store: str) -> dict:
             verifier_addr=f"tcp://127.0.0.1:{port}", kv_store="file", kv_store_path=store,
             kv_store_bandwidth=args.slow_link, disagg_bandwidth=args.slow_link, num_threads=1))
     try:
-        res = drive(sched, reqs)
+        wall, res = drive(sched, reqs)
     finally:
         if verifier is not None:
             verifier.terminate()
             verifier.wait(30)
-    recs = [res["requests"][f"r{i}"] for i in range(len(prompts))]
+    recs = [res[f"r{i}"] for i in range(len(prompts))]
     slow_bytes = sched.prefix_store.store.stats.bytes_out if sched.prefix_store is not None else 0
     zmq_bytes = 0  # exact KV the verifier sent: the questions' (prefill) and each round's committed tokens
     if sched.remote_prefill is not None:
         zmq_bytes = sched.remote_prefill.stats["kv_bytes_received"] + sched.spec_worker.stats["round_kv_bytes"]
     m = sched.metrics
     out = {
-        "tok_s": sum(len(r["ids"]) for r in recs) / res["wall"],
-        "wall_s": res["wall"],
-        "ttft_median_s": statistics.median(r["ttft"] for r in recs),
-        "outputs": [r["ids"] for r in recs],
+        "tok_s": sum(len(r.output_ids) for r in recs) / wall,
+        "wall_s": wall,
+        "ttft_median_s": statistics.median(r.first_token_s for r in recs),
+        "outputs": [r.output_ids for r in recs],
         "slow_link_bytes": slow_bytes,
         "verifier_kv_bytes": zmq_bytes,
         "tokens_per_round": (m.spec_accepted_total + m.spec_rounds_total) / m.spec_rounds_total

@@ -234,12 +234,16 @@ class PrefixStore:
     # fetch_compressed runs on its prefetch thread (store calls only, never the pools) and
     # install_compressed on the scheduler's (chunks from the pool).
 
-    def fetch_compressed(self, keys: list[str]) -> tuple[list, int, float]:
-        """Payloads of the stored run of pages keys (from keys[0]); -> (payloads, bytes, seconds)."""
+    def fetch_compressed(self, keys: list[str], cap: int | None = None) -> tuple[list, int, float]:
+        """Payloads of the stored run of pages keys (from keys[0]), at most cap of them (the rest
+        count as skipped); -> (payloads, bytes, seconds)."""
+        st = self.stats["compressed"]
         t0, bytes0 = time.perf_counter(), self.store.stats.bytes_out
         present = self.comp.match_prefix(keys)
-        payloads = self.comp.get_pages(keys[:present]) if present else []
-        self.stats["compressed"].pages_missed += len(keys) - len(payloads)
+        n = present if cap is None else min(present, cap)
+        payloads = self.comp.get_pages(keys[:n]) if n else []
+        st.pages_missed += len(keys) - present + n - len(payloads)  # absent, or gone/unreadable since
+        st.pages_skipped += present - n
         return payloads, self.store.stats.bytes_out - bytes0, time.perf_counter() - t0
 
     def install_compressed(self, payloads: list, nbytes: int, seconds: float) -> torch.Tensor:
@@ -258,26 +262,9 @@ class PrefixStore:
         return ids
 
     def _load_comp(self, keys: list[str]) -> torch.Tensor:
-        """Compressed chunks of the pages keys (from the store) into new chunk ids."""
-        pool = self.s.two_tier.pool
-        st = self.stats["compressed"]
-        t0, bytes0 = time.perf_counter(), self.store.stats.bytes_out
-        present = self.comp.match_prefix(keys)
-        st.pages_missed += len(keys) - present
-        n = min(present, pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks())
-        ids = self.s.two_tier.alloc_chunks(n) if n else None
-        if ids is None:
-            n, ids = 0, _EMPTY
-        st.pages_skipped += present - n
-        payloads = self.comp.get_pages(keys[:n]) if n else []
-        m = len(payloads)
-        write_compressed_pages(pool, ids[:m], payloads)
-        pool.free(ids[m:])
-        st.pages_hit += m
-        st.pages_missed += n - m
-        st.bytes_read += self.store.stats.bytes_out - bytes0
-        st.read_seconds += time.perf_counter() - t0
-        return ids[:m]
+        """Compressed chunks of the stored run of pages keys into new chunk ids (as many as fit)."""
+        room = self.s.two_tier.pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks()
+        return self.install_compressed(*self.fetch_compressed(keys, cap=room))
 
     # ------------------------------------------------------------------ reporting
 

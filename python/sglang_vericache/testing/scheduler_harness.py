@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
@@ -17,6 +18,7 @@ class Result:
     meta: dict = field(default_factory=dict)
     output_token_logprobs: list = field(default_factory=list)
     input_token_logprobs: list | None = None
+    first_token_s: float | None = None  # seconds from submission to the first output token
 
 
 def make_request(
@@ -33,6 +35,7 @@ def run_to_completion(
     scheduler: Scheduler, requests: list[TokenizedGenerateReqInput], max_steps: int = 100_000
 ) -> dict[str, Result]:
     """Submits all requests at once and steps until every one has finished."""
+    t0 = time.perf_counter()
     results = {r.rid: Result() for r in requests}
     for r in requests:
         err = scheduler.handle_message(r)
@@ -46,6 +49,8 @@ def run_to_completion(
         outputs, scheduler.outbox = scheduler.outbox, []
         for out in outputs:
             res = results[out.rid]
+            if out.new_output_ids and res.first_token_s is None:
+                res.first_token_s = time.perf_counter() - t0
             res.output_ids.extend(out.new_output_ids)
             res.cached_tokens = out.cached_tokens
             res.meta = out.meta
