@@ -49,6 +49,7 @@ def default_model_path() -> str:
 class ServerArgs:
     model_path: str = field(default_factory=default_model_path)
     tokenizer_path: str | None = None
+    load_format: str = "auto"  # auto / safetensors: the checkpoint's weights; dummy: random, config.json only
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
@@ -108,6 +109,10 @@ class ServerArgs:
     # Attention.
     attention_backend: str = "torch"
     num_threads: int | None = None
+    # CUDA graphs (model_executor/cuda_graph_runner.py): on CUDA with the triton backend.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # None: min(--max-running-requests, 64)
+    cuda_graph_bs: list[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to the max
 
     # Tool calling.
     tool_call_parser: str | None = None
@@ -184,6 +189,8 @@ class ServerArgs:
             raise ValueError(f"--link-bandwidth must be > 0 bytes/s, got {self.link_bandwidth!r}")
         self.validate_kv_store()
         self.validate_disagg()
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
@@ -195,6 +202,10 @@ class ServerArgs:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError(f"--cuda-graph-bs must be batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < self.page_size:
@@ -285,6 +296,11 @@ class ServerArgs:
             help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
                  "Default: the bundled code model.")
         add("--tokenizer-path", type=str, default=None, help="Tokenizer folder (default: --model-path).")
+        add("--load-format", type=str, default=d["load_format"].default,
+            choices=("auto", "safetensors", "dummy"),
+            help="How weights are loaded: auto / safetensors read the folder's *.safetensors; dummy draws "
+                 "seeded random weights from config.json alone (--random-seed), to benchmark a model's "
+                 "shape without its checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
         add("--served-model-name", type=str, default=None, help="Model name reported by /v1/models.")
         add("--skip-tokenizer-init", action="store_true",
             help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
@@ -391,6 +407,15 @@ class ServerArgs:
             help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
                  "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
         add("--num-threads", type=int, default=None, help="torch intra-op threads in the scheduler process.")
+        add("--disable-cuda-graph", action="store_true",
+            help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
+                 "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
+                 "and replayed (batches padded up to the next captured size).")
+        add("--cuda-graph-max-bs", type=int, default=None,
+            help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
+                 "run eagerly.")
+        add("--cuda-graph-bs", type=int, nargs="+", default=None,
+            help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs).")
         add("--tool-call-parser", type=str, default=None,
             help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")
 

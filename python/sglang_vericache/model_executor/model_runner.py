@@ -11,6 +11,7 @@ from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
 from sglang_vericache.model_config import ModelConfig
+from sglang_vericache.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
 from sglang_vericache.model_loader.loader import load_model
 from sglang_vericache.server_args import ServerArgs, parse_bytes
@@ -32,9 +33,11 @@ class ModelRunner:
         kv = server_args.kv_cache_dtype
         self.kv_dtype = self.dtype if kv == "auto" else getattr(torch, kv)  # the exact KV pools' dtype
         self.page_size = server_args.page_size
-        self.model = load_model(self.model_config, self.device)
+        self.model = load_model(
+            self.model_config, self.device, server_args.load_format, server_args.random_seed)
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.graph_runner = self.init_cuda_graphs()
 
     def init_memory_pool(self) -> None:
         cfg, args, ps = self.model_config, self.server_args, self.page_size
@@ -73,6 +76,16 @@ class ModelRunner:
             self.max_total_num_tokens, num_pages, ps, self.max_total_num_tokens * bytes_per_token / 2**20,
         )
 
+    def init_cuda_graphs(self) -> CudaGraphRunner | None:
+        args = self.server_args
+        if args.disable_cuda_graph or not self.device.startswith("cuda"):
+            return None
+        if args.attention_backend != "triton":
+            logger.info("CUDA graphs: captured with --attention-backend triton only; %s runs eagerly",
+                        args.attention_backend)
+            return None
+        return CudaGraphRunner(self)
+
     def init_kv_stager(self, max_tokens: int, depth: int = 2) -> LayerwiseKVStager:
         """The transfer engine (throttled to --link-bandwidth) and a layer-wise stager over the exact
         pool (the host tier) for streamed verification: self.transfer_engine, self.kv_stager."""
@@ -97,6 +110,10 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         try:
             with torch.inference_mode():
+                if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                    logits = self.graph_runner.replay(fb)
+                    if logits is not None:
+                        return logits
                 self.attn_backend.init_forward_metadata(fb)
                 hidden = self.model.forward(fb.input_ids, fb.positions, fb)
                 rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()

@@ -1,4 +1,5 @@
-"""Build a model from a local HF folder: construct without initializing, then fill from safetensors."""
+"""Build a model from a local HF folder: construct without initializing, then fill from safetensors
+(load_format auto / safetensors) or with seeded random weights from config.json alone (dummy)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -55,14 +57,37 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(model_config: ModelConfig, device: str = "cpu") -> nn.Module:
-    """Construct on the meta device (no random init), allocate on `device`, load, cast to dtype."""
+def load_model(
+    model_config: ModelConfig, device: str = "cpu", load_format: str = "auto", seed: int = 0
+) -> nn.Module:
+    """Construct on the meta device (no random init), allocate on `device`, load, cast to dtype.
+    dummy: no weight files read; every weight ~ N(0, initializer_range), norm weights 1 (as HF
+    initializes them), from `seed` -- for benchmarking a model's shape without its checkpoint."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cls = get_model_class(model_config.architecture)
-    safetensors_files(model_config.model_path)  # fail before building anything
+    if load_format != "dummy":
+        safetensors_files(model_config.model_path)  # fail before building anything
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model = cls(model_config.hf_config, context_len=model_config.context_len)
     model = model.to_empty(device=device)
     if getattr(model_config.hf_config, "tie_word_embeddings", False):
         model.tie_weights()  # to_empty may have split the shared parameter
-    model.load_weights(iterate_safetensors(model_config.model_path))
+    if load_format == "dummy":
+        init_dummy_weights(model, getattr(model_config.hf_config, "initializer_range", 0.02), seed)
+    else:
+        model.load_weights(iterate_safetensors(model_config.model_path))
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():  # a tied lm_head is listed once
+        if p.dim() == 1:  # norm weights and biases
+            p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            continue
+        # drawn where the weight lives (an 8B model in seconds on a GPU); same seed, same device
+        # kind -> the same model
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.normal_(0.0, std, generator=gen)

@@ -63,7 +63,7 @@ class VerifyKernelMetadata:
 
 @dataclass
 class DraftKernelMetadata:
-    draft: DraftMetadata  # the torch path's metadata (fallback layers), also the source of the indices
+    draft: DraftMetadata | None  # the torch path's (fallback layers); None in a CUDA graph (none falls back)
     chunk_ids: torch.Tensor  # [B, max(1, C_max)] int64, 0 = padding
     num_chunks: torch.Tensor  # [B]
     max_chunks: int
@@ -204,7 +204,7 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         exact = fb.token_to_kv_pool
         if save_kv_cache:  # the new token's K/V first: it attends to itself
-            pool = ctx.draft_pool if md.draft.new_kv == "draft" else exact
+            pool = ctx.draft_pool if ctx.new_kv == "draft" else exact
             pool.set_kv_buffer(lid, fb.out_cache_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, d))
         key = (hkv, layout.rows)
         if key not in md.splits:
