@@ -42,7 +42,8 @@ MODES = {
     "full": ({}, "DECODE"),
     "snapkv": (dict(kv_compressor="snapkv", **VERICACHE), "DRAFT_DECODE"),
     "kivi4": (dict(kv_compressor="kivi4", **VERICACHE), "DRAFT_DECODE"),
-    "lossy-streamingllm": (dict(kv_compressor="streamingllm"), "DRAFT_DECODE"),
+    # lossy snapkv drafts over the exact tail and captures each step's queries (graph outputs too)
+    "lossy-snapkv": (dict(kv_compressor="snapkv"), "DRAFT_DECODE"),
 }
 
 

@@ -8,7 +8,8 @@ where every shape is fixed by its batch size:
 - DECODE over the exact pool, and DRAFT_DECODE whose every layer a kernel reads (token-drop and
   int8 / kivi layouts); VeriCache drafting (new K/V to the draft pool) and lossy drafting (new
   K/V to the exact tail) are separate graphs;
-- no staged rows, no logits_indices, no captured queries, batch size <= the largest graph's.
+- no staged rows, no logits_indices, batch size <= the largest graph's. Queries captured for a
+  query-scored compressor (lossy snapkv) are graph outputs too, copied out after each replay.
 The rest runs eagerly (ModelRunner.forward), with the same kernels.
 
 Static inputs, padded to the graph's batch size B: input_ids, positions, out_cache_loc,
@@ -129,6 +130,7 @@ class _Graph:
     draft_lens: torch.Tensor | None = None
     tail_lens_pad: int = 0  # a padding row's tail length (lossy: 1, its one key)
     logits: torch.Tensor | None = None
+    captured_q: dict[int, torch.Tensor] | None = None  # layer id -> [B, Hq*D] post-RoPE queries
 
 
 class CudaGraphRunner:
@@ -149,7 +151,7 @@ class CudaGraphRunner:
         backend = self.mr.attn_backend
         if not getattr(backend, "kernels_fit", False) or not hasattr(backend, "kernels"):
             return False  # triton backend only
-        if fb.staged is not None or fb.logits_indices is not None or fb.captured_q is not None:
+        if fb.staged is not None or fb.logits_indices is not None:
             return False
         if fb.batch_size > self.capture_bs[-1]:
             return False
@@ -170,10 +172,11 @@ class CudaGraphRunner:
         return -(-self.mr.req_to_token_pool.req_to_token.shape[1] // comp.chunk_size)
 
     def _key(self, fb: ForwardBatch, bs: int) -> tuple:
+        queries = fb.captured_q is not None
         if fb.forward_mode.is_decode():
-            return ("DECODE", bs)
+            return ("DECODE", bs, queries)
         ctx = fb.draft_ctx
-        return ("DRAFT_DECODE", ctx.new_kv, bs, id(ctx.compressed_pool), id(ctx.draft_pool))
+        return ("DRAFT_DECODE", bs, queries, ctx.new_kv, id(ctx.compressed_pool), id(ctx.draft_pool))
 
     # ---- replay ----------------------------------------------------------------------------
     def replay(self, fb: ForwardBatch) -> torch.Tensor | None:
@@ -195,6 +198,8 @@ class CudaGraphRunner:
         self._fill(g, fb)
         g.graph.replay()
         self.replay_counts[(g.mode.name, padded)] += 1
+        if g.captured_q is not None:  # copies: the next replay overwrites the graph's buffers
+            fb.captured_q.update({lid: q[:bs].clone() for lid, q in g.captured_q.items()})
         return g.logits[:bs]
 
     def _fill(self, g: _Graph, fb: ForwardBatch) -> None:
@@ -265,7 +270,8 @@ class CudaGraphRunner:
                                is not None else None, src.new_kv)
         static = ForwardBatch(
             g.mode, bs, g.input_ids, g.positions, g.req_pool_indices, g.seq_lens if g.seq_lens is not None
-            else g.positions + 1, g.positions, torch.ones(bs, **i64), g.out_cache_loc, draft_ctx=ctx)
+            else g.positions + 1, g.positions, torch.ones(bs, **i64), g.out_cache_loc, draft_ctx=ctx,
+            captured_q={} if fb.captured_q is not None else None)
         static.req_to_token_pool, static.token_to_kv_pool = mr.req_to_token_pool, mr.token_to_kv_pool
         static.attn_backend = backend
 
@@ -277,4 +283,5 @@ class CudaGraphRunner:
         logger.info("Capturing a CUDA graph: %s, batch size %d", g.mode.name, bs)
         with torch.inference_mode():
             g.logits = g.graph.capture(forward)
+        g.captured_q = static.captured_q  # filled by the capture (an EagerGraph: by every replay)
         return g
