@@ -16,7 +16,9 @@ Static inputs, padded to the graph's batch size B: input_ids, positions, out_cac
 req_pool_indices, then seq_lens (DECODE) or chunk_ids [B, C_cap], num_chunks, tail_starts,
 tail_lens, draft_table [B, X+1], draft_lens (DRAFT_DECODE). A padding row writes its K/V to slot
 0 (every pool's padding slot) and attends to one key there: finite, never read back.
-Invariant: replay(fb) returns a view of the graph's logits buffer, valid until the next replay.
+Invariant: replay(fb) returns a view of the graph's logits buffer, valid until the next replay of
+any graph (graphs share one memory pool: a later capture may reuse an earlier graph's scratch
+memory); callers sample from it at once. Captured queries are copied out for that reason.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class CudaGraph:
         if CudaGraph.pool is None:
             CudaGraph.pool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool):
+        # thread_local: the transfer engine's and prefetch threads keep copying while this captures
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, capture_error_mode="thread_local"):
             out = fn()
         return out
 
