@@ -1,10 +1,16 @@
 """FlashInferAttnBackend: FlashInfer's paged attention wrappers over the exact pool.
 
-UNTESTED HERE: written against FlashInfer's documented wrapper API (plan() once, run() per layer)
-on a machine without a GPU or flashinfer. Only its CPU error is tested; run it on a GPU before use.
+NOT RUN ON A GPU YET: written against FlashInfer 0.7.4's wrapper API (plan() once, run() per layer)
+on a machine without a GPU. Tested on CPU (test/test_flashinfer_backend.py) against that version:
+every constructor / plan() / run() call binds to 0.7.4's real signatures (extracted from its sources
+into test/fixtures/flashinfer-0.7.4-signatures.json), and with a fake flashinfer that implements
+0.7.4's documented semantics in torch (int32 page table, NHD (k, v) cache, planned dtypes and
+sm_scale, GQA, causal aligned to the end of the KV) the Scheduler's greedy tokens and logits equal
+the torch backend's: full mode, VeriCache (TARGET_VERIFY), partly filled last pages, prefix-cache
+hits. FlashInfer's kernels themselves are unverified here: run the backend on a GPU before use.
 
-- DECODE: BatchDecodeWithPagedKVCacheWrapper over the exact pool (its dtype: bf16 / fp16, or fp8
-  e4m3 / e5m2 KV where the pool stores fp8; the query stays in the model dtype);
+- DECODE: BatchDecodeWithPagedKVCacheWrapper over the exact pool (fp16 / bf16 only: FlashInfer has
+  no float32 kernels, and ServerArgs keeps the pool in the model dtype for this backend);
 - TARGET_VERIFY and EXTEND: BatchPrefillWithPagedKVCacheWrapper, causal, the new tokens being the
   last extend_seq_lens[i] positions of request i (FlashInfer aligns the causal mask to the end of
   the KV, which is exactly that);
@@ -34,6 +40,9 @@ if TYPE_CHECKING:
 
 NEEDS = "--attention-backend flashinfer needs an NVIDIA GPU with the flashinfer package installed"
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# FlashInfer builds kernels for fp16 / bf16 queries only (0.7.4: float32 is not in jit/utils.py's
+# dtype_map, so plan() would fail with a KeyError deep in its JIT): --dtype float32 is refused here.
+DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -46,8 +55,7 @@ class FlashInferAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner=None):
         super().__init__(model_runner)
         device = str(getattr(model_runner, "device", "cpu"))
-        if not torch.cuda.is_available() or not device.startswith("cuda"):
-            raise RuntimeError(f"{NEEDS} (no CUDA device here: device={device!r})")
+        _check_device(device)
         try:
             import flashinfer
         except ImportError as e:
@@ -58,8 +66,12 @@ class FlashInferAttnBackend(TorchNativeAttnBackend):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.sm_scale = _model_scaling(model_runner.model, self.head_dim)  # planned once: one scale per model
         self.q_dtype = model_runner.dtype
+        if self.q_dtype not in DTYPES:
+            raise RuntimeError(f"--attention-backend flashinfer needs --dtype float16 or bfloat16 "
+                               f"(FlashInfer has no {self.q_dtype} kernels)")
         self.kv_dtype = model_runner.token_to_kv_pool.dtype
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # zeros: the decode wrapper's float workspace "must be initialized to 0 for its first use"
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         group = self.num_heads // self.num_kv_heads
         # tensor cores pay off for decode once a KV head serves several query heads (or fp8 KV)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -124,6 +136,12 @@ class FlashInferAttnBackend(TorchNativeAttnBackend):
         assert layer.scaling == self.sm_scale, "FlashInfer plans one sm_scale for every layer"
         out = md.wrapper.run(q.reshape(t, layer.num_heads, d), paged)
         return out.reshape(t, layer.num_heads * d)
+
+
+def _check_device(device: str) -> None:
+    """FlashInfer's kernels are CUDA only (a seam: the CPU tests replace it to run a fake flashinfer)."""
+    if not torch.cuda.is_available() or not device.startswith("cuda"):
+        raise RuntimeError(f"{NEEDS} (no CUDA device here: device={device!r})")
 
 
 def _model_scaling(model, head_dim: int) -> float:
