@@ -182,3 +182,24 @@ def test_capture_ladder_and_flags():
         ServerArgs(cuda_graph_max_bs=0)
     with pytest.raises(ValueError, match="--cuda-graph-bs must be batch sizes >= 1"):
         ServerArgs(cuda_graph_bs=[0, 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real graph capture")
+@pytest.mark.parametrize("mode", ["full", "snapkv", "kivi4", "lossy-snapkv"])
+def test_cuda_graphs_on_a_gpu_give_eager_tokens(llama, mode):
+    """On CUDA the ModelRunner captures real graphs itself; bfloat16, so kernels compile for a GPU."""
+    def run(disable: bool):
+        sched = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+                                     device="cuda", attention_backend="triton", disable_cuda_graph=disable,
+                                     cuda_graph_bs=CAPTURE_BS, **MODES[mode][0]))
+        g = torch.Generator().manual_seed(0)
+        reqs = [make_request(f"r{i}", torch.randint(3, 400, (n,), generator=g).tolist(), max_new_tokens=NEW,
+                             temperature=0.0, ignore_eos=True) for i, n in enumerate(PROMPT_LENS)]
+        res = run_to_completion(sched, reqs)
+        return [res[f"r{i}"].output_ids for i in range(len(PROMPT_LENS))], sched.model_runner.graph_runner
+
+    want, none = run(disable=True)
+    got, runner = run(disable=False)
+    assert none is None and got == want
+    assert runner.failed == set() and sum(runner.replay_counts.values()) > 0
