@@ -8,8 +8,9 @@ less its prefill forwards), the prefill forwards' seconds, VeriCache's tokens pe
 graph replays, and whether the tokens equal full's. Exit status 1 if VeriCache's do not.
 
 Here the exact KV of every mode is in GPU memory (a pinned host exact tier on CUDA is not built):
-what VeriCache gains is drafting's smaller KV reads, not capacity. Random weights make random
-text: its acceptance is not a trained model's, and is reported as measured.
+what VeriCache gains is drafting's smaller KV reads, not capacity. Random weights are not a trained
+model: small-std random models often repeat one token, which drafts predict perfectly, so the
+tokens per round measured here can be far above a real model's; it is reported as measured.
 
     python benchmark/gpu/e2e_8b.py             # GPU -> benchmark/results/gpu_e2e_8b.{json,md}
     python benchmark/gpu/e2e_8b.py --dry-run   # a tiny model on the CPU (TRITON_INTERPRET=1, ~1 min)
