@@ -28,7 +28,11 @@ from sglang_vericache.model_executor.cuda_graph_runner import (  # noqa: E402
 )
 from sglang_vericache.server_args import ServerArgs, prepare_server_args  # noqa: E402
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint  # noqa: E402
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion  # noqa: E402
+from sglang_vericache.testing.scheduler_harness import (  # noqa: E402
+    greedy_outputs,
+    random_prompts,
+    record_forwards,
+)
 
 PROMPT_LENS = [21, 30, 13]  # 3 requests: replayed in the graph of 4 (one padding row)
 NEW = 8
@@ -57,26 +61,14 @@ def _run(path: str, server: dict, graphs: bool, capture_bs=CAPTURE_BS, splits: i
     splits: every kernel's split-K count (default: eager by this step's lengths, graphs by capacity)."""
     sched = Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, page_size=8,
                                  attention_backend="triton", **server))
-    runner, forwards = sched.model_runner, []
+    runner = sched.model_runner
     assert runner.graph_runner is None  # a CPU never captures by itself
     if splits is not None:
         runner.attn_backend.default_splits = lambda *_: splits
     if graphs:
         runner.graph_runner = CudaGraphRunner(runner, capture_bs=capture_bs, graph_factory=EagerGraph)
-    inner = runner.forward
-
-    def recording_forward(fb):
-        logits = inner(fb)
-        forwards.append((fb.forward_mode.name, logits.clone()))
-        return logits
-
-    runner.forward = recording_forward
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-            for i, ids in enumerate(prompts)]
-    res = run_to_completion(sched, reqs)
-    return [res[f"r{i}"].output_ids for i in range(len(prompts))], forwards, runner.graph_runner
+    forwards = record_forwards(runner)
+    return greedy_outputs(sched, random_prompts(PROMPT_LENS), NEW), forwards, runner.graph_runner
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +182,10 @@ def test_capture_ladder_and_flags():
 def test_cuda_graphs_on_a_gpu_give_eager_tokens(llama, mode):
     """On CUDA the ModelRunner captures real graphs itself; bfloat16, so kernels compile for a GPU."""
     def run(disable: bool):
-        sched = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
-                                     device="cuda", attention_backend="triton", disable_cuda_graph=disable,
-                                     cuda_graph_bs=CAPTURE_BS, **MODES[mode][0]))
-        g = torch.Generator().manual_seed(0)
-        reqs = [make_request(f"r{i}", torch.randint(3, 400, (n,), generator=g).tolist(), max_new_tokens=NEW,
-                             temperature=0.0, ignore_eos=True) for i, n in enumerate(PROMPT_LENS)]
-        res = run_to_completion(sched, reqs)
-        return [res[f"r{i}"].output_ids for i in range(len(PROMPT_LENS))], sched.model_runner.graph_runner
+        sched = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True,
+                                     page_size=8, device="cuda", attention_backend="triton",
+                                     disable_cuda_graph=disable, cuda_graph_bs=CAPTURE_BS, **MODES[mode][0]))
+        return greedy_outputs(sched, random_prompts(PROMPT_LENS), NEW), sched.model_runner.graph_runner
 
     want, none = run(disable=True)
     got, runner = run(disable=False)

@@ -12,7 +12,7 @@ from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_executor.model_runner import ModelRunner
 from sglang_vericache.server_args import ServerArgs, prepare_server_args
 from sglang_vericache.testing import make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import greedy_outputs, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +46,12 @@ def test_dummy_weights_are_seeded_and_shaped_like_hf_init(config_only):
 def test_dummy_model_serves_and_full_equals_vericache(config_only):
     """The whole runtime runs on it; VeriCache emits exactly what full mode does."""
     out = {}
-    vericache = dict(kv_compressor="snapkv", speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3")
+    vericache = dict(kv_compressor="snapkv", speculative_algorithm="VERICACHE",
+                     speculative_num_draft_tokens="3")
     for mode, kw in (("full", {}), ("vericache", vericache)):
         sched = Scheduler(ServerArgs(model_path=config_only, dtype="float32", skip_tokenizer_init=True,
                                      page_size=8, load_format="dummy", **kw))
-        g = torch.Generator().manual_seed(0)
-        reqs = [make_request(f"r{i}", torch.randint(3, 400, (n,), generator=g).tolist(), max_new_tokens=12,
-                             temperature=0.0, ignore_eos=True) for i, n in enumerate((29, 17))]
-        res = run_to_completion(sched, reqs)
-        out[mode] = [res[f"r{i}"].output_ids for i in range(2)]
+        out[mode] = greedy_outputs(sched, random_prompts([29, 17]), 12)
     assert [len(o) for o in out["full"]] == [12, 12]
     assert out["vericache"] == out["full"]
     assert all(len(set(o)) > 1 for o in out["full"])  # not one token repeated

@@ -48,7 +48,7 @@ from sglang_vericache.layers.attention import flashinfer_backend
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import make_request, random_prompts, run_to_completion
 
 REAL_DTYPES = flashinfer_backend.DTYPES
 FI_VERSION = "0.7.4"
@@ -237,11 +237,6 @@ def _record(sched) -> list:
     return forwards
 
 
-def _prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in lens]
-
-
 def _generate(sched, prompts, tag="r"):
     reqs = [make_request(f"{tag}{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
             for i, ids in enumerate(prompts)]
@@ -253,7 +248,7 @@ def _run_batch(path, backend, server):
     """Both prompts at once. -> (output ids, forwards, the backend)."""
     sched = _scheduler(path, backend, **server)
     forwards = _record(sched)
-    out = _generate(sched, _prompts(PROMPT_LENS))
+    out = _generate(sched, random_prompts(PROMPT_LENS))
     return [r.output_ids for r in out], forwards, sched.model_runner.attn_backend
 
 
@@ -261,7 +256,7 @@ def _run_prefix_hit(path, backend):
     """Request a, then (after a finished) b sharing a's first 40 tokens: b hits the radix cache."""
     sched = _scheduler(path, backend)
     forwards = _record(sched)
-    a, tail = _prompts([45, 9], seed=1)
+    a, tail = random_prompts([45, 9], seed=1)
     first = _generate(sched, [a], "a")[0]
     second = _generate(sched, [a[:40] + tail], "b")[0]
     return [first.output_ids, second.output_ids], forwards, second.cached_tokens
@@ -340,7 +335,7 @@ def test_bf16_dtypes_reach_flashinfer(llama, fake_flashinfer):
     """Real FlashInfer takes fp16 / bf16: q and the paged cache arrive in the planned dtypes."""
     start = len(fake_flashinfer.wrappers)
     sched = _scheduler(llama, "flashinfer", dtype="bfloat16")
-    out = _generate(sched, _prompts([13]))
+    out = _generate(sched, random_prompts([13]))
     assert len(out[0].output_ids) == NEW
     decode, prefill = fake_flashinfer.wrappers[start:]
     for w in (decode, prefill):

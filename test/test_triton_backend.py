@@ -22,7 +22,11 @@ from sglang_vericache.layers.attention.registry import get_attention_backend_cla
 from sglang_vericache.managers.scheduler import Scheduler  # noqa: E402
 from sglang_vericache.server_args import ServerArgs  # noqa: E402
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint  # noqa: E402
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion  # noqa: E402
+from sglang_vericache.testing.scheduler_harness import (  # noqa: E402
+    greedy_outputs,
+    random_prompts,
+    record_forwards,
+)
 
 PROMPT_LENS = [21, 30]  # page 8: both last pages partly filled (5 and 6 of 8 tokens)
 NEW = 8
@@ -46,21 +50,8 @@ def _run(path: str, backend: str, server: dict):
     """-> (output ids per request, [(forward mode, logits)] per forward, the backend)."""
     sched = Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, page_size=8,
                                  attention_backend=backend, **server))
-    runner, forwards = sched.model_runner, []
-    inner = runner.forward
-
-    def recording_forward(fb):
-        logits = inner(fb)
-        forwards.append((fb.forward_mode.name, logits.clone()))
-        return logits
-
-    runner.forward = recording_forward
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-            for i, ids in enumerate(prompts)]
-    res = run_to_completion(sched, reqs)
-    return [res[f"r{i}"].output_ids for i in range(len(prompts))], forwards, runner.attn_backend
+    forwards = record_forwards(sched.model_runner)
+    return greedy_outputs(sched, random_prompts(PROMPT_LENS), NEW), forwards, sched.model_runner.attn_backend
 
 
 @pytest.fixture(scope="module")

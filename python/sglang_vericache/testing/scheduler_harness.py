@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.sampling.sampling_params import SamplingParams
@@ -62,3 +64,30 @@ def run_to_completion(
                 res.finished_reason = out.finished_reason
                 pending.discard(out.rid)
     raise RuntimeError(f"requests did not finish in {max_steps} steps: {sorted(pending)}")
+
+
+def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of random ids in [3, 400) (below any special token of the test checkpoints)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy_outputs(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy, ignore_eos, all at once -> each prompt's output ids."""
+    reqs = [make_request(f"r{i}", ids, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+            for i, ids in enumerate(prompts)]
+    res = run_to_completion(scheduler, reqs)
+    return [res[r.rid].output_ids for r in reqs]
+
+
+def record_forwards(runner) -> list[tuple[str, torch.Tensor]]:
+    """Wraps runner.forward (a ModelRunner's): each forward appends (its mode's name, its logits)."""
+    forwards, inner = [], runner.forward
+
+    def recording_forward(fb):
+        logits = inner(fb)
+        forwards.append((fb.forward_mode.name, logits.clone()))
+        return logits
+
+    runner.forward = recording_forward
+    return forwards
