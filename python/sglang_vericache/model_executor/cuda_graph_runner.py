@@ -33,15 +33,18 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sglang_vericache.layers.attention.triton_backend import (
+    BLOCK_N,
+    QUANTIZED_KINDS,
+    DecodeKernelMetadata,
+    DraftKernelMetadata,
+)
 from sglang_vericache.model_executor.forward_batch import DraftContext, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sglang_vericache.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-QUANTIZED_KINDS = ("int8", "kivi2", "kivi4")  # compressors the quantized draft kernel reads
-
 
 def default_capture_bs(max_bs: int) -> list[int]:
     """SGLang's ladder: 1, 2, 4, 8, then every 8, up to max_bs (always included)."""
@@ -232,12 +235,6 @@ class CudaGraphRunner:
 
     # ---- capture ---------------------------------------------------------------------------
     def _capture(self, fb: ForwardBatch, bs: int) -> _Graph:
-        from sglang_vericache.layers.attention.triton_backend import (
-            BLOCK_N,
-            DecodeKernelMetadata,
-            DraftKernelMetadata,
-        )
-
         mr, backend = self.mr, self.mr.attn_backend
         dev = mr.token_to_kv_pool.get_key_buffer(0).device
         i64 = dict(dtype=torch.int64, device=dev)
