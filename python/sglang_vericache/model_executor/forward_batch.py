@@ -168,6 +168,18 @@ class ForwardBatch:
     token_to_kv_pool: object = None
     attn_backend: object = None
 
+    DEVICE_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "extend_prefix_lens",
+                     "extend_seq_lens", "out_cache_loc", "logits_indices")
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """Moves the per-token / per-request tensors to the model's device (the scheduler builds them
+        on the host); backends take their device from input_ids. In place; returns self."""
+        for name in self.DEVICE_FIELDS:
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                setattr(self, name, t.to(device, non_blocking=True))
+        return self
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

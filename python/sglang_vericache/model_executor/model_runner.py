@@ -104,7 +104,7 @@ class ModelRunner:
         A DRAFT_DECODE / MIXED batch brings its own draft_ctx (compressed pool, tail, draft pool); a
         batch with `staged` brings a begun StagedKV, which this forward consumes (every layer is
         released; on an error the StagedKV is closed, so the stager is free again either way)."""
-        fb = forward_batch
+        fb = forward_batch.to(self.token_to_kv_pool.get_key_buffer(0).device)
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend

@@ -100,7 +100,7 @@ def apply_penalties(
     if pen.add_index is not None:
         flat[pen.add_index] += pen.add_value
     if vocab_mask is not None:
-        out.masked_fill_(~vocab_mask, float("-inf"))
+        out.masked_fill_(~vocab_mask.to(out.device), float("-inf"))  # grammars build masks on the host
     if pen.stop_index is not None:
         before = flat[pen.stop_index]
         flat[pen.stop_index] = float("-inf")
