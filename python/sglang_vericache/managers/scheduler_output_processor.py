@@ -23,11 +23,12 @@ class SchedulerOutputProcessorMixin:
             req.input_token_logprobs.append((None, ids[req.logprob_start_len]))
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
-        sel = torch.tensor([rows.index(j) for j in lp_rows], dtype=torch.int64)
+        sel = torch.tensor([rows.index(j) for j in lp_rows], dtype=torch.int64, device=logits.device)
         logprobs = torch.log_softmax(logits[sel].float(), dim=-1)
-        targets = torch.tensor([ids[j + 1] for j in lp_rows], dtype=torch.int64)
+        target_ids = [ids[j + 1] for j in lp_rows]
+        targets = torch.tensor(target_ids, dtype=torch.int64, device=logprobs.device)  # gather: same device
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        req.input_token_logprobs.extend(zip(chosen, targets.tolist()))
+        req.input_token_logprobs.extend(zip(chosen, target_ids))
         if req.top_logprobs_num:
             vals, idx = logprobs.topk(req.top_logprobs_num, dim=-1)
             for v, i in zip(vals.tolist(), idx.tolist()):

@@ -46,9 +46,10 @@ class LayerwiseKVStager:
         shape = (depth, max_tokens, p.num_kv_heads)
         self.k_ring = torch.zeros((*shape, p.head_dim), dtype=p.dtype, device=dev)
         self.v_ring = torch.zeros((*shape, p.v_head_dim), dtype=p.dtype, device=dev)
-        # CUDA: gather on the host into pinned bounce buffers, then one async H2D copy per tensor.
+        # CUDA with the exact pool on the host: gather on the host into pinned bounce buffers, then
+        # one async H2D copy per tensor. An exact pool on the device gathers straight into the ring.
         self.k_bounce = self.v_bounce = None
-        if transfer_engine.cuda:
+        if transfer_engine.cuda and p.get_key_buffer(0).device.type == "cpu":
             self.k_bounce = torch.empty(self.k_ring.shape, dtype=p.dtype, pin_memory=True)
             self.v_bounce = torch.empty(self.v_ring.shape, dtype=p.dtype, pin_memory=True)
         self._active: StagedKV | None = None
@@ -89,7 +90,7 @@ class LayerwiseKVStager:
         p, n = self.exact_pool, len(slots)
         k_src, v_src = p.get_key_buffer(layer), p.get_value_buffer(layer)
         k_dst, v_dst = self.k_ring[ring, :n], self.v_ring[ring, :n]
-        if self.k_bounce is None:  # host and device are the same memory: gather straight into the ring
+        if self.k_bounce is None:  # the pool is where the ring is (CPU, or the device): gather straight in
             def copy() -> None:
                 torch.index_select(k_src, 0, slots, out=k_dst)
                 torch.index_select(v_src, 0, slots, out=v_dst)

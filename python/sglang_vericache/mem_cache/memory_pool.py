@@ -132,8 +132,10 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        k_buf, v_buf = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        loc = loc.to(k_buf.device)  # index_copy_ wants index and source on the buffer's device
+        k_buf.index_copy_(0, loc, k.to(k_buf.device, self.dtype))
+        v_buf.index_copy_(0, loc, v.to(v_buf.device, self.dtype))
 
     def bytes_per_token(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()

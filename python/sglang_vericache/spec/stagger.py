@@ -117,7 +117,8 @@ class StaggeredVeriCache:
             prefix += [r.kv_committed_len for r in verifiers]
         mode = ForwardMode.MIXED if drafting and verifiers else (
             ForwardMode.DRAFT_DECODE if drafting else ForwardMode.TARGET_VERIFY)
-        fb = s.make_forward_batch(mode, items, input_ids, positions, torch.cat(out_loc), prefix_lens=prefix)
+        out_loc = torch.cat([loc.to(out_loc[-1].device) for loc in out_loc])  # draft slots: host
+        fb = s.make_forward_batch(mode, items, input_ids, positions, out_loc, prefix_lens=prefix)
         if drafting:
             fb.draft_ctx = s.two_tier.draft_context(drafting, w.draft_pool, draft_slots)
         if verifiers:
