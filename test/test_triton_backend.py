@@ -6,23 +6,17 @@ draft-pool rows, TARGET_VERIFY on the verify kernel). Kernels run under TRITON_I
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():  # before anything imports triton (as test/kernels/conftest.py)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the triton backend cannot run")
 pytest.importorskip("sgl_kernel_ext", reason="sgl-kernel-ext is not installed (pip install -e ...)")
 
-from sglang_vericache.layers.attention.registry import get_attention_backend_class  # noqa: E402
-from sglang_vericache.managers.scheduler import Scheduler  # noqa: E402
-from sglang_vericache.server_args import ServerArgs  # noqa: E402
-from sglang_vericache.testing.random_checkpoints import make_random_checkpoint  # noqa: E402
-from sglang_vericache.testing.scheduler_harness import (  # noqa: E402
+from sglang_vericache.layers.attention.registry import get_attention_backend_class
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
+from sglang_vericache.testing.scheduler_harness import (
     greedy_outputs,
     random_prompts,
     record_forwards,

@@ -1,18 +1,16 @@
 """Kernel tests: on a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 on
-CPU tensors (set here, before anything imports triton). Input builders: kernel_inputs.py."""
+CPU tensors (test/conftest.py sets it before anything imports triton). Input builders:
+kernel_inputs.py."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 if importlib.util.find_spec("sgl_kernel_ext") is None:  # not pip-installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-ext" / "python"))
 
