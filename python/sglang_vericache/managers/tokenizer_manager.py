@@ -362,13 +362,16 @@ class TokenizerManager:
                     task.result()  # raises the request's error
                     # An event only when there is something new: tokens, or the finish.
                     new = len(state.output_ids) - state.sent_ids
-                    if state.finished or (new > 0 and (state.sent_ids == 0 or new >= self.stream_interval)):
+                    # `finished` is read once, before yielding: the state may finish while the
+                    # consumer holds an event, and that finish still needs an event of its own.
+                    finished = state.finished
+                    if finished or (new > 0 and (state.sent_ids == 0 or new >= self.stream_interval)):
                         state.sent_ids = len(state.output_ids)
                         event = state.make_output(final=False)
                         if with_index:
                             event["index"] = state.index
                         yield event
-                    if not state.finished:
+                    if not finished:
                         pending[asyncio.ensure_future(self._wait_event(state, request))] = state
         finally:
             for task in pending:
