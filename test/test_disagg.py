@@ -186,9 +186,11 @@ def test_silent_drafter_loses_its_sessions(llama, batch, verifier):
         time.sleep(0.05)
     sock.close(0)
     ctx.term()
-    time.sleep(0.3)  # one more verifier iteration releases them
-    assert not any(k.startswith(b"ghost".hex()) for k in verifier.sessions)
-    assert sched.tree_cache.protected_size() == 0
+    deadline = time.monotonic() + 20
+    ghost = b"ghost".hex()
+    while any(k.startswith(ghost) for k in list(verifier.sessions)) or sched.tree_cache.protected_size():
+        assert time.monotonic() < deadline, "the verifier kept a dropped drafter's sessions"
+        time.sleep(0.05)  # a later verifier iteration releases them
     assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.allocator.size
 
 

@@ -111,7 +111,8 @@ class TokenizerManager:
             from sglang_vericache.constrained.grammar_backend import GrammarBackend
 
             eos = self.tokenizer.eos_token_id
-            self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, [] if eos is None else [eos])
+            eos_ids = [] if eos is None else [eos]
+            self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, eos_ids)
         self.rng = random.Random(server_args.random_seed)
         self.stream_interval = server_args.stream_interval
         self.rid_to_state: dict[str, ReqState] = {}
