@@ -60,14 +60,16 @@ class ModelConfig:
 
     @staticmethod
     def from_server_args(server_args: ServerArgs) -> ModelConfig:
-        return ModelConfig.from_path(server_args.model_path, server_args.dtype, server_args.context_length)
+        return ModelConfig.from_path(server_args.model_path, server_args.dtype, server_args.context_length,
+                                     server_args.trust_remote_code)
 
     @staticmethod
-    def from_path(path: str, dtype: str = "auto", context_length: int | None = None) -> ModelConfig:
+    def from_path(path: str, dtype: str = "auto", context_length: int | None = None,
+                  trust_remote_code: bool = False) -> ModelConfig:
         from transformers import AutoConfig
 
         check_model_folder(path)
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{path}/config.json names no 'architectures'")

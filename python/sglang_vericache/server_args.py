@@ -16,6 +16,7 @@ KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2"
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
 DISAGG_ROLES = ("none", "drafter", "verifier")  # dual-instance VeriCache (issue 8, disagg/)
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 DISAGG_PREFILLS = ("local", "verifier")
 
 
@@ -114,8 +115,20 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # None: min(--max-running-requests, 64)
     cuda_graph_bs: list[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to the max
 
-    # Tool calling.
+    # Tool calling and reasoning models (SGLang's parsers).
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # splits <think> text into reasoning_content (OpenAI chat)
+
+    # SGLang launch flags, with the meaning they have here.
+    tp_size: int = 1  # one device per server: only 1
+    dp_size: int = 1  # only 1; run several servers behind a router instead
+    mem_fraction_static: float | None = None  # device memory for weights + KV pool (SGLang's meaning)
+    trust_remote_code: bool = False  # for configs and tokenizers that ship their own code
+    quantization: str | None = None  # weight quantization: none supported
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
+    enable_metrics: bool = False  # /metrics is always served; accepted for SGLang command lines
+    log_requests: bool = False  # log each request on arrival and on finish
+    enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -163,6 +176,7 @@ class ServerArgs:
         return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
 
     def validate(self) -> None:
+        self.validate_sglang_flags()
         if self.speculative_algorithm is not None:
             if self.speculative_algorithm.upper() != "VERICACHE":
                 raise ValueError(f"--speculative-algorithm must be VERICACHE, got {self.speculative_algorithm!r}")
@@ -214,6 +228,27 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
+
+    def validate_sglang_flags(self) -> None:
+        for flag, value, why in (("--tp-size", self.tp_size, "tensor parallelism is not supported"),
+                                 ("--dp-size", self.dp_size, "run one server per replica instead")):
+            if value != 1:
+                raise ValueError(f"{flag} must be 1: this runtime serves a model on one device ({why}), "
+                                 f"got {value}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.quantization is not None:
+            raise ValueError(f"--quantization {self.quantization}: quantized weights are not supported; "
+                             "serve a float32/bfloat16/float16 checkpoint (quantized KV: --kv-compressor kivi4)")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
+        if self.reasoning_parser is not None:
+            from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+            if self.reasoning_parser not in ReasoningParser.DetectorMap:
+                names = ", ".join(sorted(ReasoningParser.DetectorMap))
+                raise ValueError(f"--reasoning-parser must be one of {names}; got {self.reasoning_parser!r}")
 
     def validate_kv_store(self) -> None:
         if self.kv_store not in KV_STORE_KINDS:
@@ -418,6 +453,32 @@ class ServerArgs:
             help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs).")
         add("--tool-call-parser", type=str, default=None,
             help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")
+        add("--reasoning-parser", type=str, default=None,
+            help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
+                 "thinking as message.reasoning_content, apart from content (and in stream deltas).")
+        add("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d["tp_size"].default,
+            help="Tensor parallel size. Only 1: this runtime serves a model on one device.")
+        add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d["dp_size"].default,
+            help="Data parallel size. Only 1: run one server per replica.")
+        add("--mem-fraction-static", type=float, default=None,
+            help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
+                 "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "
+                 "full mode, the compressed tier in two-tier modes). --max-total-tokens and "
+                 "--device-kv-budget take precedence. Default: a quarter of the memory free after loading.")
+        add("--trust-remote-code", action="store_true",
+            help="Let transformers run code shipped with the model folder's config or tokenizer.")
+        add("--quantization", type=str, default=None,
+            help="Weight quantization. None is supported here: a value is refused with an error.")
+        add("--schedule-policy", type=str, default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES,
+            help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
+                 "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
+        add("--enable-metrics", action="store_true",
+            help="Accepted for SGLang command lines: Prometheus metrics are always served at /metrics.")
+        add("--log-requests", action="store_true",
+            help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
+                 "(tokens, finish reason, text).")
+        add("--enable-cache-report", action="store_true",
+            help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from sglang_vericache.managers.scheduler import Scheduler
 
 RESERVE_CLIP = 256
+# --schedule-policy lpm sorts at most this many waiting requests (each sort matches every one
+# against the tree); a longer queue is taken first come, first served, as in SGLang.
+LPM_MAX_QUEUE = 128
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -46,6 +49,8 @@ class PrefillAdder:
         if self.skip_next and s.running:
             self.skip_next = False
             return []
+        if s.server_args.schedule_policy == "lpm":
+            self.sort_longest_prefix_first()
         avail = s.allocator.available_size() + s.tree_cache.evictable_size()
         avail -= sum(self.reserve_for(r) for r in s.running)
         budget = s.server_args.max_prefill_tokens
@@ -94,6 +99,21 @@ class PrefillAdder:
             avail -= n + self.reserve_for(req)
             partial = n < remaining
         return batch
+
+    def sort_longest_prefix_first(self) -> None:
+        """--schedule-policy lpm: the waiting requests with the longest cached prefix go first
+        (stable: equal matches keep their arrival order)."""
+        s = self.s
+        if not 1 < len(s.waiting_queue) <= LPM_MAX_QUEUE:
+            return
+
+        def cached_len(req: Req) -> int:
+            match = s.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False)
+            return len(match.device_indices)
+
+        ordered = sorted(s.waiting_queue, key=cached_len, reverse=True)
+        s.waiting_queue.clear()
+        s.waiting_queue.extend(ordered)
 
     def chunk_len(self, req: Req, budget: int, avail: int, remaining: int | None = None) -> int:
         """Tokens of req to prefill now: whole request if it fits, else a page-aligned chunk."""

@@ -104,9 +104,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.stagger = StaggeredVeriCache(self)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
-            from transformers import AutoTokenizer
+            from sglang_vericache.managers.tokenizer_manager import load_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+            self.tokenizer = load_tokenizer(server_args)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -40,6 +40,7 @@ from sglang_vericache.managers.request_checks import (
     check_logprob_start_len,
     check_prompt,
 )
+from sglang_vericache.managers.request_log import log_finish, log_receive
 from sglang_vericache.managers.scheduler_launcher import start_scheduler, wait_scheduler_ready
 from sglang_vericache.sampling.sampling_params import InvalidRequest, SamplingParams
 from sglang_vericache.server_args import PortArgs, ServerArgs
@@ -68,7 +69,8 @@ def _resolve_next(waiters: deque, msg: Any) -> None:
 def load_tokenizer(server_args: ServerArgs):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+    remote = server_args.trust_remote_code
+    return AutoTokenizer.from_pretrained(server_args.tokenizer_path, trust_remote_code=remote)
 
 
 class TokenizerManager:
@@ -115,6 +117,7 @@ class TokenizerManager:
             self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, eos_ids)
         self.rng = random.Random(server_args.random_seed)
         self.stream_interval = server_args.stream_interval
+        self.log_requests = server_args.log_requests
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = RequestMetrics()
         self.last_stats: SchedulerStats | None = None
@@ -215,6 +218,8 @@ class TokenizerManager:
         if state.finished:
             del self.rid_to_state[out.rid]
             self.metrics.observe_finished(state)
+            if self.log_requests:
+                log_finish(state)
         state.event.set()
 
     # ------------------------------------------------------------------ requests
@@ -297,6 +302,8 @@ class TokenizerManager:
         states = [s for s, _ in built]
         for state in states:
             self.rid_to_state[state.rid] = state
+            if self.log_requests:
+                log_receive(state)
         try:
             for _, req in built:
                 self._send(req)

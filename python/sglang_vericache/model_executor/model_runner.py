@@ -50,12 +50,18 @@ class ModelRunner:
         # (where the accelerator budget goes to the compressed tier instead).
         on_device = args.kv_mode == "full" and not args.kv_offload
         exact_budget = args.device_kv_budget if on_device else args.host_kv_budget
+        # --mem-fraction-static: what the fraction leaves after the weights, for the accelerator's KV.
+        self.static_kv_bytes = None
+        if args.mem_fraction_static is not None:
+            self.static_kv_bytes = static_kv_bytes(args.mem_fraction_static, *_memory(self.device))
         if args.max_total_tokens is not None:
             max_tokens = args.max_total_tokens
         elif exact_budget is not None:
             max_tokens = parse_bytes(exact_budget) // bytes_per_token
+        elif on_device and self.static_kv_bytes is not None:
+            max_tokens = self.static_kv_bytes // bytes_per_token
         else:
-            budget = int(_available_memory(self.device) * DEFAULT_MEM_FRACTION)
+            budget = int(_memory(self.device)[1] * DEFAULT_MEM_FRACTION)
             max_tokens = min(DEFAULT_MAX_TOTAL_TOKENS, budget // bytes_per_token)
         self.exact_bytes_per_token = bytes_per_token
         num_pages = max_tokens // ps
@@ -126,10 +132,27 @@ class ModelRunner:
                 fb.staged.kv.close()
 
 
-def _available_memory(device: str) -> int:
+def _memory(device: str) -> tuple[int, int]:
+    """(total, available) bytes of the device's memory: CUDA memory, or RAM on a CPU."""
     if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        return free
+        free, total = torch.cuda.mem_get_info()
+        return total, free
     import psutil
 
-    return psutil.virtual_memory().available
+    vm = psutil.virtual_memory()
+    return vm.total, vm.available
+
+
+def static_kv_bytes(fraction: float, total: int, available: int) -> int:
+    """SGLang's --mem-fraction-static, measured after the weights are loaded: weights + KV pool
+    may use `fraction` of the device's memory, and what is in use already (weights, and anything
+    else on the device) counts against it. The KV cache gets the rest."""
+    in_use = total - available
+    rest = int(total * fraction) - in_use
+    if rest <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"--mem-fraction-static {fraction} leaves no memory for the KV cache: {in_use / gib:.1f} GiB of "
+            f"{total / gib:.1f} GiB is in use after loading the weights; raise the fraction (or set "
+            "--max-total-tokens)")
+    return rest

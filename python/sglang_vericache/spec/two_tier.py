@@ -41,13 +41,18 @@ class TwoTierKV:
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers
+        device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
-            budget = parse_bytes(args.device_kv_budget, "--device-kv-budget") - self.device_overhead_bytes(s)
+            device_bytes = parse_bytes(args.device_kv_budget, flag)
+        elif s.model_runner.static_kv_bytes is not None:
+            device_bytes, flag = s.model_runner.static_kv_bytes, "--mem-fraction-static"
+        if device_bytes is not None:
+            budget = device_bytes - self.device_overhead_bytes(s)
             num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, max(budget, 0))
         else:
             num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * s.max_total_num_tokens // s.page_size)
         if num_chunks < 1:
-            raise ValueError("--device-kv-budget is too small for one compressed chunk")
+            raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=s.model_runner.device)
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
         self.needs_queries = any(w > 0 for w in self.windows)

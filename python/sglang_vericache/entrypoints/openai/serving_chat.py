@@ -21,6 +21,7 @@ from sglang.srt.entrypoints.openai.protocol import (
     TopLogprob,
 )
 
+from sglang_vericache.entrypoints.openai.reasoning import new_reasoning_parser
 from sglang_vericache.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -42,6 +43,8 @@ from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.sampling.sampling_params import InvalidRequest
 
 if TYPE_CHECKING:
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
     from sglang_vericache.managers.tokenizer_manager import TokenizerManager
 
 # Used when neither the tokenizer nor --chat-template provides one (ChatML).
@@ -160,17 +163,26 @@ def _logprobs(req: ChatCompletionRequest, meta: dict) -> ChoiceLogprobs | None:
 
 
 def make_choice(
-    req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, plan: ToolPlan | None
+    req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, plan: ToolPlan | None,
+    reasoning: ReasoningParser | None = None,
 ) -> ChatCompletionResponseChoice:
-    """One native output -> a chat choice; with tools, parsed calls and finish_reason "tool_calls"."""
+    """One native output -> a chat choice: the thinking split off first (--reasoning-parser), then
+    with tools, parsed calls and finish_reason "tool_calls"."""
     meta = out["meta_info"]
     reason, matched = finish_reason_of(meta)
-    content, tool_calls = parse_tool_calls(parser_name, plan, out["text"]) if plan else (out["text"], [])
+    text, reasoning_text = out["text"], None
+    if reasoning is not None:
+        reasoning_text, text = reasoning.parse_non_stream(text)
+        text = text or ""
+    content, tool_calls = parse_tool_calls(parser_name, plan, text) if plan else (text, [])
     if tool_calls and reason == "stop":
         reason, matched = "tool_calls", None
+    message = ChatMessage(
+        role="assistant", content=content, reasoning_content=reasoning_text, tool_calls=tool_calls or None
+    )
     return ChatCompletionResponseChoice(
         index=idx,
-        message=ChatMessage(role="assistant", content=content, tool_calls=tool_calls or None),
+        message=message,
         logprobs=_logprobs(req, meta),
         finish_reason=reason,
         matched_stop=matched,
@@ -191,24 +203,36 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     if req.stream:
         first = await gen.__anext__()
         new_tool_stream = (lambda: ToolCallStream(parser_name, plan)) if plan else None
-        events = stream_chunks(req, gen, first, rid, created, model, new_tool_stream)
+
+        def new_reasoning() -> ReasoningParser | None:
+            return new_reasoning_parser(tm, req, plan, stream=True)
+
+        cache_report = tm.server_args.enable_cache_report
+        events = stream_chunks(
+            req, gen, first, rid, created, model, new_tool_stream, new_reasoning, cache_report
+        )
         return StreamingResponse(events, media_type="text/event-stream")
     out = await gen.__anext__()
     await gen.aclose()
     outs = [out] if isinstance(out, dict) else out
-    choices = [make_choice(req, idx, o, parser_name, plan) for idx, o in enumerate(outs)]
-    resp = ChatCompletionResponse(
-        id=rid, created=created, model=model, choices=choices, usage=usage_of(outs, req.n)
-    )
+    choices = [
+        make_choice(req, idx, o, parser_name, plan, new_reasoning_parser(tm, req, plan, stream=False))
+        for idx, o in enumerate(outs)
+    ]
+    usage = usage_of(outs, req.n, tm.server_args.enable_cache_report)
+    resp = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
     return json_response(resp.model_dump())
 
 
-async def stream_chunks(req, gen, first, rid, created, model, new_tool_stream) -> AsyncIterator[bytes]:
-    """Native events -> chat.completion.chunk SSE lines (role first, content or tool call deltas,
-    a finish chunk per choice, the usage chunk if asked, [DONE])."""
+async def stream_chunks(
+    req, gen, first, rid, created, model, new_tool_stream, new_reasoning, cache_report
+) -> AsyncIterator[bytes]:
+    """Native events -> chat.completion.chunk SSE lines (role first, reasoning, content or tool call
+    deltas, a finish chunk per choice, the usage chunk if asked, [DONE])."""
     sent_text: dict[int, int] = {}
     finals: dict[int, dict] = {}
     tool_streams: dict[int, ToolCallStream] = {}
+    reasonings: dict[int, ReasoningParser | None] = {}
 
     def chunk(choice) -> bytes:
         return sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
@@ -222,6 +246,7 @@ async def stream_chunks(req, gen, first, rid, created, model, new_tool_stream) -
                 sent_text[idx] = 0
                 if new_tool_stream is not None:
                     tool_streams[idx] = new_tool_stream()
+                reasonings[idx] = new_reasoning()
                 yield chunk(
                     ChatCompletionResponseStreamChoice(
                         index=idx, delta=DeltaMessage(role="assistant", content="")
@@ -231,6 +256,16 @@ async def stream_chunks(req, gen, first, rid, created, model, new_tool_stream) -
             sent_text[idx] = len(event["text"])
             logprobs = _logprobs(req, meta)
             reason, matched = finish_reason_of(meta)
+            thinking = ""
+            if reasonings[idx] is not None:
+                thinking, delta = reasonings[idx].parse_stream_chunk(delta) if delta else ("", "")
+                if reason is not None:
+                    more_thinking, rest = reasonings[idx].parse_stream_end()
+                    thinking, delta = (thinking or "") + (more_thinking or ""), (delta or "") + (rest or "")
+                thinking, delta = thinking or "", delta or ""
+            if thinking:
+                delta_msg = DeltaMessage(reasoning_content=thinking)
+                yield chunk(ChatCompletionResponseStreamChoice(index=idx, delta=delta_msg))
             calls = []
             tools = tool_streams.get(idx)
             if tools is not None:
@@ -257,11 +292,8 @@ async def stream_chunks(req, gen, first, rid, created, model, new_tool_stream) -
                 event = None
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
-            yield sse(
-                ChatCompletionStreamResponse(
-                    id=rid, created=created, model=model, choices=[], usage=usage_of(outs, req.n)
-                )
-            )
+            usage = usage_of(outs, req.n, cache_report)
+            yield sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
         yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
     finally:

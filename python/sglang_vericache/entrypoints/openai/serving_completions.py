@@ -143,7 +143,8 @@ async def serve_completion(tm: TokenizerManager, req: CompletionRequest, raw_req
                 matched_stop=matched,
             )
         )
-    resp = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage_of(outs, n))
+    usage = usage_of(outs, n, tm.server_args.enable_cache_report)
+    resp = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
     return json_response(resp.model_dump())
 
 
@@ -176,7 +177,7 @@ async def _stream(tm, req, gen, first, prompts, rid, created, model, n) -> Async
                 event = None
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
-            usage = usage_of(outs, n)
+            usage = usage_of(outs, n, tm.server_args.enable_cache_report)
             yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
         yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})

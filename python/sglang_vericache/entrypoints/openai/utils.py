@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 from sglang.srt.entrypoints.openai.protocol import LogProbs, UsageInfo
+from sglang.srt.entrypoints.openai.usage_processor import UsageProcessor
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
@@ -49,11 +50,10 @@ def finish_reason_of(meta: dict) -> tuple[str | None, str | int | None]:
     return "abort", None
 
 
-def usage_of(outs: list[dict], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (not per sample); completion tokens per sample."""
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
-    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def usage_of(outs: list[dict], n: int, cache_report: bool = False) -> UsageInfo:
+    """SGLang's usage: prompt tokens (and, with --enable-cache-report, cached prompt tokens) count
+    once per prompt, not per sample; completion tokens per sample."""
+    return UsageProcessor.calculate_response_usage(outs, n_choices=n, enable_cache_report=cache_report)
 
 
 def completion_logprobs(

@@ -1,0 +1,42 @@
+"""--reasoning-parser: SGLang's ReasoningParser splits a reasoning model's thinking (e.g. <think>...
+</think>) from its answer; chat responses carry the thinking as reasoning_content."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+from sglang_vericache.entrypoints.openai.tool_calls import ToolPlan
+
+if TYPE_CHECKING:
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    from sglang_vericache.managers.tokenizer_manager import TokenizerManager
+
+
+def _constrained(req: ChatCompletionRequest, plan: ToolPlan | None) -> bool:
+    """A grammar decides the whole output (required / named tools, JSON formats, regex, ebnf):
+    there is no thinking to split off."""
+    fmt = req.response_format
+    return bool((plan is not None and plan.constrained) or req.regex or req.ebnf
+                or (fmt is not None and fmt.type != "text"))
+
+
+def new_reasoning_parser(
+    tm: TokenizerManager, req: ChatCompletionRequest, plan: ToolPlan | None, stream: bool
+) -> ReasoningParser | None:
+    """A parser for one choice, or None when the server has no --reasoning-parser, the request
+    asks for separate_reasoning=false, or a grammar constrains the output."""
+    name = tm.server_args.reasoning_parser
+    if name is None or not req.separate_reasoning or _constrained(req, plan):
+        return None
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    return ReasoningParser(
+        model_type=name,
+        stream_reasoning=stream and req.stream_reasoning,
+        request=req,
+        tokenizer=tm.tokenizer,
+        tool_call_parser_active=plan is not None,
+    )
