@@ -49,6 +49,13 @@ def test_models_lists_the_served_model(client, default_model_dir):
     assert models.data[0].max_model_len == 2048
 
 
+def test_models_retrieve_the_served_model_or_404(client, default_model_dir):
+    card = client.models.retrieve(default_model_dir)
+    assert (card.id, card.max_model_len) == (default_model_dir, 2048)
+    with pytest.raises(openai.NotFoundError, match="The model `other` does not exist."):
+        client.models.retrieve("other")
+
+
 # ---------------------------------------------------------------- completions
 
 

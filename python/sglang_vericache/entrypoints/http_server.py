@@ -298,11 +298,22 @@ async def _parse(request: Request, model_cls):
     return model_cls.model_validate(body)
 
 
+def _model_card() -> ModelCard:
+    m = tm()
+    return ModelCard(id=m.served_model_name, root=m.model_path, max_model_len=m.context_len)
+
+
 @app.get("/v1/models")
 async def list_models() -> Response:
-    m = tm()
-    card = ModelCard(id=m.served_model_name, root=m.model_path, max_model_len=m.context_len)
-    return json_response(ModelList(data=[card]).model_dump())
+    return json_response(ModelList(data=[_model_card()]).model_dump())
+
+
+@app.get("/v1/models/{model:path}")
+async def retrieve_model(model: str) -> Response:
+    card = _model_card()
+    if model != card.id:
+        return openai_error(f"The model `{model}` does not exist.", 404)
+    return json_response(card.model_dump())
 
 
 @app.post("/v1/completions")
