@@ -129,6 +129,7 @@ class ServerArgs:
     enable_metrics: bool = False  # /metrics is always served; accepted for SGLang command lines
     log_requests: bool = False  # log each request on arrival and on finish
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
+    watchdog_timeout: float | None = 300.0  # seconds one scheduler iteration may run; None: no watchdog
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -235,6 +236,8 @@ class ServerArgs:
             if value != 1:
                 raise ValueError(f"{flag} must be 1: this runtime serves a model on one device ({why}), "
                                  f"got {value}")
+        if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.quantization is not None:
@@ -477,6 +480,10 @@ class ServerArgs:
         add("--log-requests", action="store_true",
             help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
                  "(tokens, finish reason, text).")
+        add("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default,
+            help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
+                 "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
+                 "instead of waiting forever.")
         add("--enable-cache-report", action="store_true",
             help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
 

@@ -34,6 +34,7 @@ from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from sglang_vericache.managers.stats import SchedulerMetrics
+from sglang_vericache.managers.watchdog import StepWatchdog
 from sglang_vericache.mem_cache.radix_cache import RadixCache
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
@@ -202,11 +203,17 @@ class Scheduler(SchedulerOutputProcessorMixin):
     # ------------------------------------------------------------------ event loop
 
     def event_loop(self) -> None:
+        timeout = self.server_args.watchdog_timeout
+        watchdog = StepWatchdog(timeout) if timeout is not None else None
         while True:
             idle = not (self.waiting_queue or self.running or self.chunked_req
                         or (self.remote_prefill is not None and self.remote_prefill.prefilling))
             self.recv_requests(block=idle)
-            self.step()
+            if watchdog is None:
+                self.step()
+            else:
+                with watchdog.step():
+                    self.step()
             self.flush_outbox()
 
     def recv_requests(self, block: bool = False) -> None:

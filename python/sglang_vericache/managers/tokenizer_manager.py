@@ -42,6 +42,7 @@ from sglang_vericache.managers.request_checks import (
 )
 from sglang_vericache.managers.request_log import log_finish, log_receive
 from sglang_vericache.managers.scheduler_launcher import start_scheduler, wait_scheduler_ready
+from sglang_vericache.managers.watchdog import describe_exit
 from sglang_vericache.sampling.sampling_params import InvalidRequest, SamplingParams
 from sglang_vericache.server_args import PortArgs, ServerArgs
 
@@ -161,7 +162,7 @@ class TokenizerManager:
     async def _watchdog(self) -> None:
         while self.scheduler_proc.is_alive():
             await asyncio.sleep(1.0)
-        self._fail_all(f"the scheduler process exited with code {self.scheduler_proc.exitcode}")
+        self._fail_all(describe_exit(self.scheduler_proc.exitcode))
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
