@@ -41,7 +41,11 @@ def test_without_a_parser_or_with_separate_reasoning_false_the_text_stays_whole(
 
 
 def test_grammar_constrained_output_has_no_thinking_to_split():
-    for req in (_req(response_format={"type": "json_object"}), _req(regex="[a-z]+"), _req(ebnf='root ::= "a"')):
+    for req in (
+        _req(response_format={"type": "json_object"}),
+        _req(regex="[a-z]+"),
+        _req(ebnf='root ::= "a"'),
+    ):
         assert new_reasoning_parser(_tm(), req, None, stream=False) is None
     msg = _choice(_tm("qwen3-thinking"), _req(response_format={"type": "json_object"}), '{"a": 1}').message
     assert (msg.reasoning_content, msg.content) == (None, '{"a": 1}')
@@ -60,13 +64,22 @@ def test_streaming_sends_reasoning_deltas_then_content_deltas():
             yield e
 
     async def run():
-        chunks = stream_chunks(req, rest(), events[0], "id", 0, "m", None,
-                               lambda: new_reasoning_parser(tm, req, None, stream=True), False)
+        chunks = stream_chunks(
+            req,
+            rest(),
+            events[0],
+            "id",
+            0,
+            "m",
+            None,
+            lambda: new_reasoning_parser(tm, req, None, stream=True),
+            False,
+        )
         return [c async for c in chunks]
 
     lines = asyncio.run(run())
     assert lines[-1] == b"data: [DONE]\n\n"
-    deltas = [json.loads(line[len(b"data: "):])["choices"][0] for line in lines[:-1]]
+    deltas = [json.loads(line[len(b"data: ") :])["choices"][0] for line in lines[:-1]]
     assert deltas[0]["delta"]["role"] == "assistant"
     thinking = [d["delta"]["reasoning_content"] for d in deltas if d["delta"]["reasoning_content"]]
     content = [d["delta"]["content"] for d in deltas[1:] if d["delta"]["content"]]

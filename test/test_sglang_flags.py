@@ -19,14 +19,31 @@ GIB = 2**30
 
 
 def test_sglang_command_line_parses():
-    args = prepare_server_args([
-        "--tensor-parallel-size", "1", "--dp-size", "1", "--mem-fraction-static", "0.8", "--trust-remote-code",
-        "--schedule-policy", "lpm", "--enable-metrics", "--log-requests", "--enable-cache-report",
-        "--reasoning-parser", "qwen3",
-    ])
+    args = prepare_server_args(
+        [
+            "--tensor-parallel-size",
+            "1",
+            "--dp-size",
+            "1",
+            "--mem-fraction-static",
+            "0.8",
+            "--trust-remote-code",
+            "--schedule-policy",
+            "lpm",
+            "--enable-metrics",
+            "--log-requests",
+            "--enable-cache-report",
+            "--reasoning-parser",
+            "qwen3",
+        ]
+    )
     assert (args.tp_size, args.dp_size, args.mem_fraction_static) == (1, 1, 0.8)
     assert (args.trust_remote_code, args.enable_metrics, args.log_requests, args.enable_cache_report) == (
-        True, True, True, True)
+        True,
+        True,
+        True,
+        True,
+    )
     assert (args.schedule_policy, args.reasoning_parser, args.quantization) == ("lpm", "qwen3", None)
     defaults = prepare_server_args([])
     assert (defaults.tp_size, defaults.schedule_policy, defaults.mem_fraction_static) == (1, "fcfs", None)
@@ -35,7 +52,10 @@ def test_sglang_command_line_parses():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tp_size": 2}, r"--tp-size must be 1: this runtime serves a model on one device \(tensor parallelism"),
+        (
+            {"tp_size": 2},
+            r"--tp-size must be 1: this runtime serves a model on one device \(tensor parallelism",
+        ),
         ({"dp_size": 4}, "--dp-size must be 1"),
         ({"mem_fraction_static": 0.0}, r"--mem-fraction-static must be in \(0, 1\), got 0.0"),
         ({"mem_fraction_static": 1.2}, r"--mem-fraction-static must be in \(0, 1\), got 1.2"),
@@ -60,13 +80,18 @@ def test_static_kv_bytes_is_the_fraction_minus_what_is_in_use():
     # 100 GiB device, 20 GiB in use after the weights: 0.9 leaves 90 - 20 = 70 GiB for KV.
     assert static_kv_bytes(0.9, 100 * GIB, 80 * GIB) == 70 * GIB
     assert static_kv_bytes(0.5, 64 * GIB, 40 * GIB) == 8 * GIB
-    with pytest.raises(ValueError, match=r"--mem-fraction-static 0.2 leaves no memory for the KV cache: "
-                                         r"30.0 GiB of 100.0 GiB is in use"):
+    with pytest.raises(
+        ValueError,
+        match=r"--mem-fraction-static 0.2 leaves no memory for the KV cache: "
+        r"30.0 GiB of 100.0 GiB is in use",
+    ):
         static_kv_bytes(0.2, 100 * GIB, 70 * GIB)
 
 
 def _scheduler(path, **kwargs) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, page_size=8, **kwargs))
+    return Scheduler(
+        ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, page_size=8, **kwargs)
+    )
 
 
 def test_mem_fraction_static_sizes_the_exact_pool_in_full_mode(default_model_dir, monkeypatch):
@@ -77,7 +102,10 @@ def test_mem_fraction_static_sizes_the_exact_pool_in_full_mode(default_model_dir
     assert mr.static_kv_bytes == 100 * 2**20
     assert sched.max_total_num_tokens == (100 * 2**20 // per_token) // 8 * 8
     # --max-total-tokens still wins.
-    assert _scheduler(default_model_dir, mem_fraction_static=0.2, max_total_tokens=512).max_total_num_tokens == 512
+    assert (
+        _scheduler(default_model_dir, mem_fraction_static=0.2, max_total_tokens=512).max_total_num_tokens
+        == 512
+    )
 
 
 def test_mem_fraction_static_is_the_device_budget_of_the_compressed_tier(default_model_dir, monkeypatch):
@@ -86,7 +114,10 @@ def test_mem_fraction_static_is_the_device_budget_of_the_compressed_tier(default
     by_fraction = _scheduler(default_model_dir, mem_fraction_static=0.012, **two_tier)  # 12 - 10 = 2 MiB
     by_budget = _scheduler(default_model_dir, device_kv_budget=str(2 * 2**20), **two_tier)
     assert by_fraction.two_tier.pool.num_chunks == by_budget.two_tier.pool.num_chunks
-    assert by_fraction.two_tier.pool.num_chunks < _scheduler(default_model_dir, **two_tier).two_tier.pool.num_chunks
+    assert (
+        by_fraction.two_tier.pool.num_chunks
+        < _scheduler(default_model_dir, **two_tier).two_tier.pool.num_chunks
+    )
 
 
 def test_lpm_admits_the_request_with_the_longest_cached_prefix_first(default_model_dir):
@@ -95,8 +126,10 @@ def test_lpm_admits_the_request_with_the_longest_cached_prefix_first(default_mod
     for policy in ("fcfs", "lpm"):
         sched = _scheduler(default_model_dir, schedule_policy=policy, max_running_requests=1)
         run_to_completion(sched, [make_request("warm", shared + [7], max_new_tokens=2, temperature=0.0)])
-        for r in (make_request("cold", other, max_new_tokens=4, temperature=0.0),
-                  make_request("hit", shared + tail, max_new_tokens=4, temperature=0.0)):
+        for r in (
+            make_request("cold", other, max_new_tokens=4, temperature=0.0),
+            make_request("hit", shared + tail, max_new_tokens=4, temperature=0.0),
+        ):
             assert sched.handle_message(r) is None
         sched.step()
         results[policy] = [r.rid for r in sched.running]
@@ -109,23 +142,36 @@ def test_lpm_changes_order_not_outputs(default_model_dir):
     for policy in ("fcfs", "lpm"):
         sched = _scheduler(default_model_dir, schedule_policy=policy, max_running_requests=1)
         run_to_completion(sched, [make_request("warm", shared + [7], max_new_tokens=2, temperature=0.0)])
-        res = run_to_completion(sched, [make_request("cold", other, max_new_tokens=5, temperature=0.0),
-                                        make_request("hit", shared + tail, max_new_tokens=5, temperature=0.0)])
+        res = run_to_completion(
+            sched,
+            [
+                make_request("cold", other, max_new_tokens=5, temperature=0.0),
+                make_request("hit", shared + tail, max_new_tokens=5, temperature=0.0),
+            ],
+        )
         outs[policy] = {rid: (r.output_ids, r.cached_tokens) for rid, r in res.items()}
     assert outs["lpm"] == outs["fcfs"]
     assert outs["lpm"]["hit"][1] == 48 and outs["lpm"]["cold"][1] == 0
 
 
 def test_log_requests_logs_arrival_and_finish(default_model_dir, caplog):
-    with sglang_vericache.Engine(model_path=default_model_dir, max_total_tokens=1024, log_requests=True) as eng:
+    with sglang_vericache.Engine(
+        model_path=default_model_dir, max_total_tokens=1024, log_requests=True
+    ) as eng:
         with caplog.at_level(logging.INFO, logger="sglang_vericache.requests"):
-            out = eng.generate("def f(x):", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, rid="r-1")
+            out = eng.generate(
+                "def f(x):", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, rid="r-1"
+            )
     lines = [r.getMessage() for r in caplog.records if r.name == "sglang_vericache.requests"]
     n = out["meta_info"]["prompt_tokens"]
-    assert lines[0] == (f"Receive: rid=r-1 prompt_tokens={n} stream=False sampling_params="
-                        "{'max_new_tokens': 5, 'temperature': 0, 'ignore_eos': True}")
-    assert lines[1].startswith(f"Finish: rid=r-1 prompt_tokens={n} completion_tokens=5 cached_tokens=0 "
-                               "finish_reason={'type': 'length', 'length': 5} e2e_latency=")
+    assert lines[0] == (
+        f"Receive: rid=r-1 prompt_tokens={n} stream=False sampling_params="
+        "{'max_new_tokens': 5, 'temperature': 0, 'ignore_eos': True}"
+    )
+    assert lines[1].startswith(
+        f"Finish: rid=r-1 prompt_tokens={n} completion_tokens=5 cached_tokens=0 "
+        "finish_reason={'type': 'length', 'length': 5} e2e_latency="
+    )
     assert lines[1].endswith(f" text={out['text']!r}")
     assert len(lines) == 2
 

@@ -37,7 +37,9 @@ def test_short_steps_and_idle_time_never_fire():
 
 def test_exit_message_names_the_watchdog():
     assert describe_exit(1) == "the scheduler process exited with code 1"
-    assert describe_exit(EXIT_CODE).startswith(f"the scheduler process exited with code {EXIT_CODE} (its watchdog")
+    assert describe_exit(EXIT_CODE).startswith(
+        f"the scheduler process exited with code {EXIT_CODE} (its watchdog"
+    )
 
 
 def test_bad_timeout_is_refused():
@@ -47,7 +49,9 @@ def test_bad_timeout_is_refused():
 
 def test_a_hung_scheduler_fails_requests_with_the_watchdog_named(default_model_dir):
     # A 1 ms timeout: any prefill forward runs past it, as a hung one would.
-    with sglang_vericache.Engine(model_path=default_model_dir, max_total_tokens=1024, watchdog_timeout=0.001) as eng:
+    with sglang_vericache.Engine(
+        model_path=default_model_dir, max_total_tokens=1024, watchdog_timeout=0.001
+    ) as eng:
         with pytest.raises(GenerateError, match=f"exited with code {EXIT_CODE} \\(its watchdog"):
             eng.generate("def f(x): return x " * 20, {"max_new_tokens": 5})
         with pytest.raises(GenerateError, match="the scheduler is not running"):
