@@ -17,6 +17,9 @@ RESERVE_CLIP = 256
 # --schedule-policy lpm sorts at most this many waiting requests (each sort matches every one
 # against the tree); a longer queue is taken first come, first served, as in SGLang.
 LPM_MAX_QUEUE = 128
+# lpm, within one prefill batch: of the requests whose first IN_BATCH_PREFIX tokens are alike and
+# not cached, only the first is admitted; the others wait a step and find its prefix cached.
+IN_BATCH_PREFIX = 32
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -49,7 +52,8 @@ class PrefillAdder:
         if self.skip_next and s.running:
             self.skip_next = False
             return []
-        if s.server_args.schedule_policy == "lpm":
+        lpm = s.server_args.schedule_policy == "lpm"
+        if lpm:
             self.sort_longest_prefix_first()
         avail = s.allocator.available_size() + s.tree_cache.evictable_size()
         avail -= sum(self.reserve_for(r) for r in s.running)
@@ -67,10 +71,14 @@ class PrefillAdder:
             avail -= n
             partial = req.kv_committed_len + n < req.prefill_target_len()
 
-        while s.waiting_queue and not partial and budget > 0:
+        heads = set()  # lpm: first tokens of the uncached prompts this batch prefills
+        if lpm and s.chunked_req is not None:
+            heads.add(tuple(s.chunked_req.fill_ids[:IN_BATCH_PREFIX]))
+        i = 0  # the waiting request considered next; lpm may pass over some
+        while i < len(s.waiting_queue) and not partial and budget > 0:
             if len(s.running) + len(batch) >= s.server_args.max_running_requests:
                 break
-            req = s.waiting_queue[0]
+            req = s.waiting_queue[i]
             if s.prefix_store is not None:
                 # KV store: extend the tree's match with stored pages (inserted into the tree, so
                 # the match below finds them and they count as a locked prefix like any other).
@@ -80,6 +88,12 @@ class PrefillAdder:
             if s.two_tier is not None:
                 match = s.two_tier.usable_match(match)
             prefix_len = len(match.device_indices)
+            head = tuple(req.fill_ids[:IN_BATCH_PREFIX])
+            if lpm and prefix_len < IN_BATCH_PREFIX and len(head) == IN_BATCH_PREFIX:
+                if head in heads:
+                    i += 1
+                    continue
+                heads.add(head)
             remaining = req.prefill_target_len() - prefix_len
             # The matched prefix gets locked: it stops being evictable (counted conservatively).
             n = self.chunk_len(req, budget, avail - prefix_len - self.reserve_for(req), remaining)
@@ -93,7 +107,7 @@ class PrefillAdder:
             s.tree_cache.num_matched_tokens += prefix_len
             if s.two_tier is not None:
                 s.tree_cache.num_comp_matched_tokens += match.comp_len
-            s.waiting_queue.popleft()
+            del s.waiting_queue[i]
             batch.append((req, n))
             budget -= n
             avail -= n + self.reserve_for(req)
