@@ -225,7 +225,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
 
 
 async def stream_chunks(
-    req, gen, first, rid, created, model, new_tool_stream, new_reasoning, cache_report
+    req, gen, first, rid, created, model, new_tool_stream, new_reasoning=None, cache_report=False
 ) -> AsyncIterator[bytes]:
     """Native events -> chat.completion.chunk SSE lines (role first, reasoning, content or tool call
     deltas, a finish chunk per choice, the usage chunk if asked, [DONE])."""
@@ -246,7 +246,7 @@ async def stream_chunks(
                 sent_text[idx] = 0
                 if new_tool_stream is not None:
                     tool_streams[idx] = new_tool_stream()
-                reasonings[idx] = new_reasoning()
+                reasonings[idx] = new_reasoning() if new_reasoning is not None else None
                 yield chunk(
                     ChatCompletionResponseStreamChoice(
                         index=idx, delta=DeltaMessage(role="assistant", content="")
