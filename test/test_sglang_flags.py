@@ -154,6 +154,45 @@ def test_lpm_changes_order_not_outputs(default_model_dir):
     assert outs["lpm"]["hit"][1] == 48 and outs["lpm"]["cold"][1] == 0
 
 
+MODES = {
+    "full": {},
+    "vericache": {
+        "kv_compressor": "snapkv",
+        "speculative_algorithm": "VERICACHE",
+        "speculative_num_draft_tokens": "4",
+    },
+    "lossy": {"kv_compressor": "kivi4"},
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lpm_changes_order_not_outputs_in_every_mode(default_model_dir, mode):
+    # Three shared prefixes, nine requests, a small pool and chunked prefill: the policies admit in
+    # different orders (and lpm passes over same-prefix requests within a batch).
+    shared = random_prompts([40, 72, 24], seed=11)
+    tails = random_prompts([5, 9, 17, 3, 30, 12, 8, 21, 6], seed=12)
+    prompts = [shared[i % 3] + t for i, t in enumerate(tails)]
+    outs = {}
+    for policy in ("fcfs", "lpm"):
+        sched = _scheduler(
+            default_model_dir,
+            schedule_policy=policy,
+            max_total_tokens=320,
+            max_running_requests=3,
+            chunked_prefill_size=32,
+            **MODES[mode],
+        )
+        reqs = [
+            make_request(f"r{i}", p, max_new_tokens=20, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        res = run_to_completion(sched, reqs)
+        outs[policy] = [res[f"r{i}"].output_ids for i in range(len(prompts))]
+        assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.allocator.size
+    assert outs["lpm"] == outs["fcfs"]
+    assert all(len(o) == 20 for o in outs["lpm"])
+
+
 def test_log_requests_logs_arrival_and_finish(default_model_dir, caplog):
     with sglang_vericache.Engine(
         model_path=default_model_dir, max_total_tokens=1024, log_requests=True
