@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 
-from sglang_vericache.entrypoints.openai.reasoning import new_reasoning_parser
+from sglang_vericache.entrypoints.openai.reasoning import count_reasoning_tokens, new_reasoning_parser
 from sglang_vericache.entrypoints.openai.serving_chat import make_choice, stream_chunks
+from sglang_vericache.entrypoints.openai.utils import usage_of
 
 TEXT = "<think>plan it</think>\n\nThe answer."
 STOP = {"type": "stop", "matched": 2}
@@ -86,3 +87,59 @@ def test_streaming_sends_reasoning_deltas_then_content_deltas():
     assert thinking == ["pl", "an it"]
     assert content == ["\n\nThe ans", "wer."]
     assert deltas[-1]["finish_reason"] == "stop"
+
+
+class _Tok:
+    """Just enough tokenizer: '</think>' is the two tokens [90, 91]."""
+
+    def encode(self, text, add_special_tokens=False):
+        assert text == "</think>" and not add_special_tokens
+        return [90, 91]
+
+
+def test_reasoning_tokens_count_through_the_end_of_thinking():
+    parser = new_reasoning_parser(_tm(), _req(), None, stream=False)
+    assert count_reasoning_tokens(parser, _Tok(), [5, 6, 90, 91, 7, 8], thought=True) == 4
+    assert count_reasoning_tokens(parser, _Tok(), [5, 6, 90, 7, 91], thought=True) == 5  # never closed
+    assert count_reasoning_tokens(parser, _Tok(), [5, 6, 90, 91], thought=False) == 0
+    assert count_reasoning_tokens(parser, None, [5, 6, 90, 91], thought=True) == 0
+
+
+def test_usage_reports_reasoning_tokens_non_streaming_and_streaming():
+    tm, req = _tm(), _req()
+    out = {"text": TEXT, "output_ids": [1, 2, 3, 90, 91, 4, 5], "meta_info": {"finish_reason": STOP}}
+    make_choice(req, 0, out, None, None, new_reasoning_parser(tm, req, None, stream=False), _Tok())
+    out["meta_info"].update(prompt_tokens=3, completion_tokens=7)
+    usage = usage_of([out], 1)
+    assert (usage.reasoning_tokens, usage.completion_tokens_details.reasoning_tokens) == (5, 5)
+
+    sreq = _req(stream=True, stream_options={"include_usage": True})
+    first = {"text": "<think>plan", "output_ids": [1, 2], "meta_info": {"finish_reason": None}}
+    last = {
+        "text": TEXT,
+        "output_ids": [1, 2, 3, 90, 91, 4, 5],
+        "meta_info": {"finish_reason": STOP, "prompt_tokens": 3, "completion_tokens": 7},
+    }
+
+    async def rest():
+        yield last
+
+    async def run():
+        chunks = stream_chunks(
+            sreq,
+            rest(),
+            first,
+            "id",
+            0,
+            "m",
+            None,
+            lambda: new_reasoning_parser(tm, sreq, None, stream=True),
+            False,
+            _Tok(),
+        )
+        return [c async for c in chunks]
+
+    lines = asyncio.run(run())
+    usage_chunk = json.loads(lines[-2][len(b"data: ") :])
+    assert usage_chunk["usage"]["reasoning_tokens"] == 5
+    assert usage_chunk["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}

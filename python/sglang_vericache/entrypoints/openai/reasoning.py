@@ -40,3 +40,17 @@ def new_reasoning_parser(
         tokenizer=tm.tokenizer,
         tool_call_parser_active=plan is not None,
     )
+
+
+def count_reasoning_tokens(parser: ReasoningParser, tokenizer, output_ids: list[int], thought: bool) -> int:
+    """usage.reasoning_tokens, counted as SGLang's scheduler does: the output tokens up to and
+    including the end-of-thinking tokens, or all of them when the thinking never ended; 0 when
+    the output had no thinking (thought=False) or there is no tokenizer to find the end with."""
+    if not thought or tokenizer is None:
+        return 0
+    end = parser.detector.get_think_end_token_ids(tokenizer)
+    n = len(end)
+    for i in range(len(output_ids) - n + 1):
+        if n and output_ids[i : i + n] == end:
+            return i + n
+    return len(output_ids)

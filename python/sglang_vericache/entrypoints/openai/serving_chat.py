@@ -21,7 +21,7 @@ from sglang.srt.entrypoints.openai.protocol import (
     TopLogprob,
 )
 
-from sglang_vericache.entrypoints.openai.reasoning import new_reasoning_parser
+from sglang_vericache.entrypoints.openai.reasoning import count_reasoning_tokens, new_reasoning_parser
 from sglang_vericache.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -164,16 +164,19 @@ def _logprobs(req: ChatCompletionRequest, meta: dict) -> ChoiceLogprobs | None:
 
 def make_choice(
     req: ChatCompletionRequest, idx: int, out: dict, parser_name: str | None, plan: ToolPlan | None,
-    reasoning: ReasoningParser | None = None,
+    reasoning: ReasoningParser | None = None, tokenizer=None,
 ) -> ChatCompletionResponseChoice:
-    """One native output -> a chat choice: the thinking split off first (--reasoning-parser), then
-    with tools, parsed calls and finish_reason "tool_calls"."""
+    """One native output -> a chat choice: the thinking split off first (--reasoning-parser; its
+    token count goes to meta_info["reasoning_tokens"] for usage), then with tools, parsed calls and
+    finish_reason "tool_calls"."""
     meta = out["meta_info"]
     reason, matched = finish_reason_of(meta)
     text, reasoning_text = out["text"], None
     if reasoning is not None:
         reasoning_text, text = reasoning.parse_non_stream(text)
         text = text or ""
+        meta["reasoning_tokens"] = count_reasoning_tokens(
+            reasoning, tokenizer, out.get("output_ids", []), bool(reasoning_text))
     content, tool_calls = parse_tool_calls(parser_name, plan, text) if plan else (text, [])
     if tool_calls and reason == "stop":
         reason, matched = "tool_calls", None
@@ -209,23 +212,24 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
 
         cache_report = tm.server_args.enable_cache_report
         events = stream_chunks(
-            req, gen, first, rid, created, model, new_tool_stream, new_reasoning, cache_report
+            req, gen, first, rid, created, model, new_tool_stream, new_reasoning, cache_report, tm.tokenizer
         )
         return StreamingResponse(events, media_type="text/event-stream")
     out = await gen.__anext__()
     await gen.aclose()
     outs = [out] if isinstance(out, dict) else out
-    choices = [
-        make_choice(req, idx, o, parser_name, plan, new_reasoning_parser(tm, req, plan, stream=False))
-        for idx, o in enumerate(outs)
-    ]
+    choices = []
+    for idx, o in enumerate(outs):
+        reasoning = new_reasoning_parser(tm, req, plan, stream=False)
+        choices.append(make_choice(req, idx, o, parser_name, plan, reasoning, tm.tokenizer))
     usage = usage_of(outs, req.n, tm.server_args.enable_cache_report)
     resp = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
     return json_response(resp.model_dump())
 
 
 async def stream_chunks(
-    req, gen, first, rid, created, model, new_tool_stream, new_reasoning=None, cache_report=False
+    req, gen, first, rid, created, model, new_tool_stream,
+    new_reasoning=None, cache_report=False, tokenizer=None,
 ) -> AsyncIterator[bytes]:
     """Native events -> chat.completion.chunk SSE lines (role first, reasoning, content or tool call
     deltas, a finish chunk per choice, the usage chunk if asked, [DONE])."""
@@ -233,6 +237,7 @@ async def stream_chunks(
     finals: dict[int, dict] = {}
     tool_streams: dict[int, ToolCallStream] = {}
     reasonings: dict[int, ReasoningParser | None] = {}
+    thought: set[int] = set()  # choices that streamed some thinking
 
     def chunk(choice) -> bytes:
         return sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
@@ -264,6 +269,7 @@ async def stream_chunks(
                     thinking, delta = (thinking or "") + (more_thinking or ""), (delta or "") + (rest or "")
                 thinking, delta = thinking or "", delta or ""
             if thinking:
+                thought.add(idx)
                 delta_msg = DeltaMessage(reasoning_content=thinking)
                 yield chunk(ChatCompletionResponseStreamChoice(index=idx, delta=delta_msg))
             calls = []
@@ -281,6 +287,9 @@ async def stream_chunks(
                 yield chunk(ChatCompletionResponseStreamChoice(index=idx, delta=delta_msg, logprobs=logprobs))
             if reason is not None:
                 finals[idx] = event
+                if reasonings[idx] is not None:
+                    meta["reasoning_tokens"] = count_reasoning_tokens(
+                        reasonings[idx], tokenizer, event.get("output_ids", []), idx in thought)
                 yield chunk(
                     ChatCompletionResponseStreamChoice(
                         index=idx, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched
@@ -293,7 +302,8 @@ async def stream_chunks(
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
             usage = usage_of(outs, req.n, cache_report)
-            yield sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+            last = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage)
+            yield sse(last)
     except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
         yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
     finally:
