@@ -42,6 +42,12 @@ def test_exit_message_names_the_watchdog():
     )
 
 
+def test_default_is_300_s_on_cuda_and_off_on_a_cpu():
+    assert ServerArgs().watchdog_timeout_s is None
+    assert ServerArgs(device="cuda").watchdog_timeout_s == 300.0
+    assert ServerArgs(watchdog_timeout=5).watchdog_timeout_s == 5
+
+
 def test_bad_timeout_is_refused():
     with pytest.raises(ValueError, match="--watchdog-timeout must be > 0 seconds, got 0"):
         ServerArgs(watchdog_timeout=0)

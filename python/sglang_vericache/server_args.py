@@ -17,6 +17,7 @@ KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
 DISAGG_ROLES = ("none", "drafter", "verifier")  # dual-instance VeriCache (issue 8, disagg/)
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+DEFAULT_CUDA_WATCHDOG_S = 300.0  # SGLang's default
 DISAGG_PREFILLS = ("local", "verifier")
 
 
@@ -129,7 +130,7 @@ class ServerArgs:
     enable_metrics: bool = False  # /metrics is always served; accepted for SGLang command lines
     log_requests: bool = False  # log each request on arrival and on finish
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
-    watchdog_timeout: float | None = 300.0  # seconds one scheduler iteration may run; None: no watchdog
+    watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -171,6 +172,13 @@ class ServerArgs:
             if self.disagg_prefill == "verifier":
                 tiers = "compressed"  # the drafter never holds a prompt's exact KV
         return ("exact", "compressed") if tiers == "both" else (tiers,)
+
+    @property
+    def watchdog_timeout_s(self) -> float | None:
+        """The watchdog timeout in force: --watchdog-timeout, else 300 s on CUDA and none on a CPU."""
+        if self.watchdog_timeout is not None:
+            return self.watchdog_timeout
+        return DEFAULT_CUDA_WATCHDOG_S if self.device.startswith("cuda") else None
 
     @property
     def max_draft_tokens(self) -> int:
@@ -480,10 +488,11 @@ class ServerArgs:
         add("--log-requests", action="store_true",
             help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
                  "(tokens, finish reason, text).")
-        add("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default,
+        add("--watchdog-timeout", type=float, default=None,
             help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
                  "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
-                 "instead of waiting forever.")
+                 "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
+                 "of a large model can take minutes.")
         add("--enable-cache-report", action="store_true",
             help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
 

@@ -203,7 +203,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     # ------------------------------------------------------------------ event loop
 
     def event_loop(self) -> None:
-        timeout = self.server_args.watchdog_timeout
+        timeout = self.server_args.watchdog_timeout_s
         watchdog = StepWatchdog(timeout) if timeout is not None else None
         while True:
             idle = not (self.waiting_queue or self.running or self.chunked_req

@@ -1,7 +1,7 @@
-"""--watchdog-timeout: a scheduler iteration that runs past the timeout is a hung forward (a
-stuck kernel, a deadlocked transfer). The process then dumps every thread's stack and exits, so
-the TokenizerManager fails the requests with an error and /health turns 503, instead of clients
-waiting forever (SGLang's watchdog)."""
+"""--watchdog-timeout (default: 300 s on CUDA, off on a CPU): a scheduler iteration that runs past
+the timeout is a hung forward (a stuck kernel, a deadlocked transfer). The process then dumps
+every thread's stack and exits, so the TokenizerManager fails the requests with an error and
+/health turns 503, instead of clients waiting forever (SGLang's watchdog)."""
 
 from __future__ import annotations
 
