@@ -42,6 +42,17 @@ def new_reasoning_parser(
     )
 
 
+def split_stream_delta(parser: ReasoningParser, delta: str, final: bool) -> tuple[str, str]:
+    """(thinking, content) of one stream delta; on the final one, with whatever the parser held
+    back (a partial tag) flushed."""
+    thinking, content = parser.parse_stream_chunk(delta) if delta else (None, None)
+    thinking, content = thinking or "", content or ""
+    if final:
+        more, rest = parser.parse_stream_end()
+        thinking, content = thinking + (more or ""), content + (rest or "")
+    return thinking, content
+
+
 def count_reasoning_tokens(parser: ReasoningParser, tokenizer, output_ids: list[int], thought: bool) -> int:
     """usage.reasoning_tokens, counted as SGLang's scheduler does: the output tokens up to and
     including the end-of-thinking tokens, or all of them when the thinking never ended; 0 when

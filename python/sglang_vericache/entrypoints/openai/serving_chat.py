@@ -21,7 +21,11 @@ from sglang.srt.entrypoints.openai.protocol import (
     TopLogprob,
 )
 
-from sglang_vericache.entrypoints.openai.reasoning import count_reasoning_tokens, new_reasoning_parser
+from sglang_vericache.entrypoints.openai.reasoning import (
+    count_reasoning_tokens,
+    new_reasoning_parser,
+    split_stream_delta,
+)
 from sglang_vericache.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -263,11 +267,7 @@ async def stream_chunks(
             reason, matched = finish_reason_of(meta)
             thinking = ""
             if reasonings[idx] is not None:
-                thinking, delta = reasonings[idx].parse_stream_chunk(delta) if delta else ("", "")
-                if reason is not None:
-                    more_thinking, rest = reasonings[idx].parse_stream_end()
-                    thinking, delta = (thinking or "") + (more_thinking or ""), (delta or "") + (rest or "")
-                thinking, delta = thinking or "", delta or ""
+                thinking, delta = split_stream_delta(reasonings[idx], delta, final=reason is not None)
             if thinking:
                 thought.add(idx)
                 delta_msg = DeltaMessage(reasoning_content=thinking)
