@@ -225,10 +225,28 @@ def test_usage_reports_cached_prompt_tokens_once_per_prompt():
     assert usage_of(outs, n=2).prompt_tokens_details is None
 
 
-def test_server_with_cache_report_and_request_log(server, default_model_dir):
-    import requests
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
-    srv = server(default_model_dir, "--enable-cache-report", "--log-requests", "--log-level", "info")
+
+def test_server_with_cache_report_request_log_and_chat_template(server, default_model_dir, tmp_path):
+    import requests
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    srv = server(
+        default_model_dir,
+        "--enable-cache-report",
+        "--log-requests",
+        "--log-level",
+        "info",
+        "--chat-template",
+        str(template),
+    )
+    messages = [{"role": "user", "content": "def f(x):"}]
+    r = requests.post(srv.base_url + "/v1/tokenize", json={"model": "m", "messages": messages}, timeout=60)
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    assert r.json()["tokens"] == tok.encode("[user] def f(x):\n[assistant] ", add_special_tokens=False)
     prompt = random_prompts([40], seed=5)[0]
     body = {"model": "m", "prompt": prompt, "max_tokens": 3, "temperature": 0}
     cached = []
@@ -239,5 +257,19 @@ def test_server_with_cache_report_and_request_log(server, default_model_dir):
     # The second request finds the first's prompt in the radix cache: 39 reusable tokens, 2 pages of 16.
     assert cached == [0, 32]
     log = srv.log_tail(200)
-    assert log.count("Receive: rid=") == 2
+    assert log.count("Receive: rid=") == 2  # /v1/tokenize is not a request
     assert "prompt_tokens=40 completion_tokens=3 cached_tokens=32 finish_reason={'type': 'length'" in log
+
+
+def test_chat_template_is_checked_at_launch(tmp_path):
+    with pytest.raises(ValueError, match=r"--chat-template /nonexistent.jinja: no such file"):
+        ServerArgs(chat_template="/nonexistent.jinja")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(
+        ValueError, match=r"not a valid Jinja template: Unexpected end of template.*\(line 1\)"
+    ):
+        ServerArgs(chat_template=str(bad))
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert ServerArgs(chat_template=str(good)).chat_template == str(good)

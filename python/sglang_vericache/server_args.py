@@ -186,6 +186,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         self.validate_sglang_flags()
+        if self.chat_template is not None:
+            self.validate_chat_template()
         if self.speculative_algorithm is not None:
             if self.speculative_algorithm.upper() != "VERICACHE":
                 raise ValueError(f"--speculative-algorithm must be VERICACHE, got {self.speculative_algorithm!r}")
@@ -237,6 +239,22 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
+
+    def validate_chat_template(self) -> None:
+        """--chat-template must be a readable Jinja file: checked at launch, not on the first chat."""
+        path = self.chat_template
+        if not os.path.isfile(path):
+            raise ValueError(f"--chat-template {path}: no such file (give a Jinja chat template file)")
+        import jinja2
+
+        try:
+            with open(path) as f:
+                jinja2.Environment().parse(f.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot be read: {e}") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template {path}: not a valid Jinja template: {e.message} "
+                             f"(line {e.lineno})") from None
 
     def validate_sglang_flags(self) -> None:
         for flag, value, why in (("--tp-size", self.tp_size, "tensor parallelism is not supported"),

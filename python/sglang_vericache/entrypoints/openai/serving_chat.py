@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -72,11 +73,17 @@ def _content_text(content) -> str:
     return "".join(parts)
 
 
+@functools.cache
+def _read_template(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def chat_template_of(tm: TokenizerManager) -> str:
+    """--chat-template (read once; ServerArgs checked it at launch), else the tokenizer's, else ChatML."""
     path = tm.server_args.chat_template
     if path:
-        with open(path) as f:
-            return f.read()
+        return _read_template(path)
     return getattr(tm.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
 
