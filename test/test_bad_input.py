@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -222,9 +223,24 @@ def test_bad_flag_value_exits_non_zero(tmp_path):
 
 def test_unloadable_checkpoint_exits_non_zero_with_the_scheduler_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
-    res = launch("--model-path", str(tmp_path), "--skip-tokenizer-init", "--port", "1")
+    with socket.socket() as s:  # a port free now (launch checks it can bind before loading)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = launch("--model-path", str(tmp_path), "--skip-tokenizer-init", "--port", str(port))
     assert res.returncode == 1
     assert any(line.startswith("error: the scheduler failed to start: ") for line in res.stderr.splitlines())
+
+
+def test_a_port_in_use_exits_2_before_loading_anything(default_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = launch("--model-path", default_model_dir, "--port", str(port))
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"error: cannot serve on 127.0.0.1:{port}: Address already in use (pick another --port)"
+    )
 
 
 def test_constrained_decoding_is_refused_until_the_scheduler_has_a_grammar_backend(base_url):

@@ -1,13 +1,14 @@
-"""`python -m sglang_vericache.launch_server [flags]`: check the model folder, then serve.
+"""`python -m sglang_vericache.launch_server [flags]`: check the model folder and the port, then serve.
 
-A missing model folder, or one without config.json, is a one-line error on stderr and exit code 2,
-before any process is spawned or any heavy module is imported.
+A missing model folder, one without config.json, or a port already taken is a one-line error on
+stderr and exit code 2, before any process is spawned or any heavy module is imported.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 from sglang_vericache.server_args import ServerArgs, prepare_server_args
@@ -25,9 +26,27 @@ def model_folder_error(server_args: ServerArgs) -> str | None:
     return None
 
 
+def port_error(host: str, port: int) -> str | None:
+    """Whether host:port can be bound now (SO_REUSEADDR, as uvicorn binds it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"--host {host}: {e.strerror}"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return f"cannot serve on {host}:{port}: {e.strerror} (pick another --port)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
     error = model_folder_error(server_args)
+    if error is None and server_args.disagg_role != "verifier":
+        error = port_error(server_args.host, server_args.port)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
