@@ -132,26 +132,8 @@ def test_lpm_admits_the_request_with_the_longest_cached_prefix_first(default_mod
         ):
             assert sched.handle_message(r) is None
         sched.step()
-        results[policy] = [r.rid for r in sched.running]
-    assert results == {"fcfs": ["cold"], "lpm": ["hit"]}
-
-
-def test_lpm_changes_order_not_outputs(default_model_dir):
-    shared, other, tail = random_prompts([48, 40, 8], seed=3)
-    outs = {}
-    for policy in ("fcfs", "lpm"):
-        sched = _scheduler(default_model_dir, schedule_policy=policy, max_running_requests=1)
-        run_to_completion(sched, [make_request("warm", shared + [7], max_new_tokens=2, temperature=0.0)])
-        res = run_to_completion(
-            sched,
-            [
-                make_request("cold", other, max_new_tokens=5, temperature=0.0),
-                make_request("hit", shared + tail, max_new_tokens=5, temperature=0.0),
-            ],
-        )
-        outs[policy] = {rid: (r.output_ids, r.cached_tokens) for rid, r in res.items()}
-    assert outs["lpm"] == outs["fcfs"]
-    assert outs["lpm"]["hit"][1] == 48 and outs["lpm"]["cold"][1] == 0
+        results[policy] = [(r.rid, r.cached_tokens) for r in sched.running]
+    assert results == {"fcfs": [("cold", 0)], "lpm": [("hit", 48)]}
 
 
 MODES = {
