@@ -25,11 +25,13 @@ from sglang.srt.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
 from sglang_vericache.entrypoints.openai.serving_chat import render_prompt, serve_chat
 from sglang_vericache.entrypoints.openai.serving_completions import serve_completion
+from sglang_vericache.entrypoints.openai.serving_responses import serve_responses
 from sglang_vericache.entrypoints.openai.utils import SSE_DONE, json_response, openai_error
 from sglang_vericache.managers.metrics import render_prometheus
 from sglang_vericache.managers.req_input import GenerateReqInput
@@ -324,6 +326,11 @@ async def v1_completions(request: Request) -> Response:
 @app.post("/v1/chat/completions")
 async def v1_chat_completions(request: Request) -> Response:
     return await serve_chat(tm(), await _parse(request, ChatCompletionRequest), request)
+
+
+@app.post("/v1/responses")
+async def v1_responses(request: Request) -> Response:
+    return await serve_responses(tm(), await _parse(request, ResponsesRequest), request)
 
 
 @app.post("/v1/tokenize")
