@@ -196,3 +196,69 @@ def test_function_call_items_continue_a_tool_conversation(client):
 def test_what_a_stateless_text_server_cannot_do_is_a_400(client, kw, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.responses.create(model="m", max_output_tokens=4, **kw)
+
+
+# ---------------------------------------------------------------- reasoning items (no model)
+
+
+def _job(parser="qwen3", **req):
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints.openai.protocol import ResponsesRequest
+
+    from sglang_vericache.entrypoints.openai.serving_responses import _Job
+
+    args = SimpleNamespace(reasoning_parser=parser, tool_call_parser=None, enable_cache_report=False)
+    tm = SimpleNamespace(
+        server_args=args, limits=SimpleNamespace(supports_grammar=True), tokenizer=None, served_model_name="m"
+    )
+    return _Job(tm, ResponsesRequest(input="q", **req))
+
+
+def test_streamed_thinking_is_a_reasoning_item_before_the_message():
+    import asyncio
+
+    from sglang_vericache.entrypoints.openai.serving_responses import stream_events
+
+    texts = ["<think>pl", "<think>plan it</think>\n\nThe ans", "<think>plan it</think>\n\nThe answer."]
+    outs = [{"text": t, "output_ids": [], "meta_info": {"finish_reason": None}} for t in texts]
+    outs[-1]["meta_info"] = {
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 2,
+        "completion_tokens": 9,
+    }
+
+    async def rest():
+        for o in outs[1:]:
+            yield o
+
+    async def run():
+        return [json.loads(line[len(b"data: ") :]) async for line in stream_events(_job(), rest(), outs[0])]
+
+    events = asyncio.run(run())
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "plan it"
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "\n\nThe answer."
+    )
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan it"}]
+    assert final["output"][1]["content"][0]["text"] == "\n\nThe answer."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
