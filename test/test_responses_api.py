@@ -262,3 +262,29 @@ def test_streamed_thinking_is_a_reasoning_item_before_the_message():
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan it"}]
     assert final["output"][1]["content"][0]["text"] == "\n\nThe answer."
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+
+
+def test_request_translation_to_chat():
+    from sglang.srt.entrypoints.openai.protocol import ResponsesRequest
+
+    from sglang_vericache.entrypoints.openai.serving_responses import to_chat_request
+
+    req = ResponsesRequest(
+        input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        instructions="You write code.",
+        tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}},
+        max_output_tokens=7,
+    )
+    chat = to_chat_request(req)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "You write code."),
+        ("system", "Be brief."),
+        ("user", "hi"),
+    ]
+    assert chat.tool_choice.function.name == "get_weather" and chat.tools[0].function.name == "get_weather"
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == {
+        "type": "object"
+    }
+    assert chat.max_completion_tokens == 7

@@ -131,7 +131,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=req.model or "",
         messages=_messages(req),
-        max_tokens=req.max_output_tokens,
+        max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
