@@ -42,6 +42,15 @@ def new_reasoning_parser(
     )
 
 
+def split_whole_output(parser: ReasoningParser, tokenizer, out: dict) -> tuple[str | None, str]:
+    """A finished native output -> (thinking or None, the rest of its text); its meta_info gets
+    "reasoning_tokens" for usage."""
+    thought, text = parser.parse_non_stream(out["text"])
+    out["meta_info"]["reasoning_tokens"] = count_reasoning_tokens(
+        parser, tokenizer, out.get("output_ids", []), bool(thought))
+    return thought, text or ""
+
+
 def split_stream_delta(parser: ReasoningParser, delta: str, final: bool) -> tuple[str, str]:
     """(thinking, content) of one stream delta; on the final one, with whatever the parser held
     back (a partial tag) flushed."""

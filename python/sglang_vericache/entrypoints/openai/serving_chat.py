@@ -26,6 +26,7 @@ from sglang_vericache.entrypoints.openai.reasoning import (
     count_reasoning_tokens,
     new_reasoning_parser,
     split_stream_delta,
+    split_whole_output,
 )
 from sglang_vericache.entrypoints.openai.tool_calls import (
     ToolCallStream,
@@ -182,12 +183,9 @@ def make_choice(
     finish_reason "tool_calls"."""
     meta = out["meta_info"]
     reason, matched = finish_reason_of(meta)
-    text, reasoning_text = out["text"], None
+    reasoning_text, text = None, out["text"]
     if reasoning is not None:
-        reasoning_text, text = reasoning.parse_non_stream(text)
-        text = text or ""
-        meta["reasoning_tokens"] = count_reasoning_tokens(
-            reasoning, tokenizer, out.get("output_ids", []), bool(reasoning_text))
+        reasoning_text, text = split_whole_output(reasoning, tokenizer, out)
     content, tool_calls = parse_tool_calls(parser_name, plan, text) if plan else (text, [])
     if tool_calls and reason == "stop":
         reason, matched = "tool_calls", None

@@ -30,6 +30,7 @@ from sglang_vericache.entrypoints.openai.reasoning import (
     count_reasoning_tokens,
     new_reasoning_parser,
     split_stream_delta,
+    split_whole_output,
 )
 from sglang_vericache.entrypoints.openai.serving_chat import build_generate_input
 from sglang_vericache.entrypoints.openai.tool_calls import parse_tool_calls, tools_in_use
@@ -234,14 +235,11 @@ async def serve_responses(tm: TokenizerManager, req: ResponsesRequest, raw_reque
         return StreamingResponse(stream_events(job, gen, first), media_type="text/event-stream")
     out = await gen.__anext__()
     await gen.aclose()
-    text, thought = out["text"], None
+    thought, text = None, out["text"]
     reasoning = new_reasoning_parser(tm, job.chat, job.plan, stream=False)
     if reasoning is not None:
-        thought, text = reasoning.parse_non_stream(text)
-        out["meta_info"]["reasoning_tokens"] = count_reasoning_tokens(
-            reasoning, tm.tokenizer, out["output_ids"], bool(thought)
-        )
-    return json_response(job.response(job.final_items(text or "", thought), "completed", out).model_dump())
+        thought, text = split_whole_output(reasoning, tm.tokenizer, out)
+    return json_response(job.response(job.final_items(text, thought), "completed", out).model_dump())
 
 
 async def stream_events(job: _Job, gen, first: dict) -> AsyncIterator[bytes]:
