@@ -9,7 +9,6 @@ a drafter that goes silent loses its sessions on the verifier.
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import zmq
 
 from sglang_vericache.disagg.messages import Hello, OpenSession, Pong
 from sglang_vericache.disagg.verifier import VerifierServer
+from sglang_vericache.disagg.wire import Codec
 from sglang_vericache.managers.io_struct import SchedulerError
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs
@@ -171,14 +171,15 @@ def test_silent_drafter_loses_its_sessions(llama, batch, verifier):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, b"ghost")
     sock.connect(f"tcp://127.0.0.1:{verifier.args.disagg_port}")
-    sock.send(pickle.dumps(Hello("ghost")))
+    wire = Codec()  # the verifier's wire format (disagg/wire.py), as a drafter speaks it
+    sock.send_multipart(wire.encode(Hello("ghost")))
     assert sock.poll(10_000)
-    pong = pickle.loads(sock.recv())
+    pong = wire.decode(sock.recv_multipart())
     assert isinstance(pong, Pong) and pong.epoch == verifier.epoch
     epoch = pong.epoch
     params = requests(batch[:2], "g")
     for p in params:
-        sock.send(pickle.dumps(OpenSession(p.rid, p.input_ids, p.sampling_params, p.seed, epoch=epoch)))
+        sock.send_multipart(wire.encode(OpenSession(p.rid, p.input_ids, p.sampling_params, p.seed, epoch=epoch)))
     sched = verifier.sched
     deadline = time.monotonic() + 20
     while verifier.stats["sessions_dropped"] < 2:  # opened, prefilled, then dropped after TIMEOUT

@@ -177,7 +177,10 @@ class Engine:
         import dataclasses
 
         stats = self._submit(self.tokenizer_manager.get_stats()).result()
-        return {**dataclasses.asdict(self.server_args), "internal_states": [dataclasses.asdict(stats)]}
+        info = dataclasses.asdict(self.server_args)
+        if info.get("disagg_secret") is not None:
+            info["disagg_secret"] = "<set>"  # never the secret itself
+        return {**info, "internal_states": [dataclasses.asdict(stats)]}
 
     def shutdown(self) -> None:
         if self._closed:

@@ -104,9 +104,15 @@ class ServerArgs:
     disagg_timeout: float = 10.0  # seconds of silence before the peer counts as gone
     disagg_prefill: str = "local"  # drafter: local | verifier (remote prefix caching, disagg/remote_prefill.py)
     disagg_bandwidth: str | None = None  # drafter: bytes/s of its link to the verifier; None = unthrottled
+    # both roles: HMAC-SHA256 key of every frame (disagg/wire.py); None = $SGLANG_VERICACHE_DISAGG_SECRET or
+    # unauthenticated. repr=False, and /server_info shows only whether it is set.
+    disagg_secret: str | None = field(default=None, repr=False)
 
     # Sampling defaults.
     random_seed: int = 0
+    # Batch-invariant arithmetic (layers/batch_invariant.py): None = auto, on in the two-tier modes
+    # (whose output is defined as deterministic full mode's) on a CPU; resolved in __post_init__.
+    enable_deterministic_inference: bool | None = None
 
     # Attention.
     attention_backend: str = "torch"
@@ -138,6 +144,9 @@ class ServerArgs:
         if self.served_model_name is None:
             self.served_model_name = self.model_path
         self.validate()
+        if self.enable_deterministic_inference is None:
+            self.enable_deterministic_inference = (
+                self.kv_mode != "full" and not self.device.startswith("cuda") and self.attention_backend == "torch")
 
     @property
     def kv_mode(self) -> str:
@@ -196,6 +205,12 @@ class ServerArgs:
                 raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
         if self.vericache_schedule not in ("auto", "lockstep", "staggered"):
             raise ValueError(f"--vericache-schedule must be auto, lockstep or staggered, got {self.vericache_schedule!r}")
+        if self.enable_deterministic_inference and self.device.startswith("cuda"):
+            raise ValueError("--enable-deterministic-inference runs on the CPU only so far (its batch-invariant "
+                             "attention is a CPU kernel); drop the flag on CUDA")
+        if self.enable_deterministic_inference and self.attention_backend != "torch":
+            raise ValueError("--enable-deterministic-inference needs --attention-backend torch (the "
+                             f"{self.attention_backend} backend's kernels are not batch-invariant)")
         if self.verify_staging_tokens < 1:
             raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
         if self.kv_offload and self.kv_mode != "full":
@@ -313,6 +328,13 @@ class ServerArgs:
             raise ValueError("--verifier-addr is for --disagg-role drafter")
         if self.disagg_port is not None and role != "verifier":
             raise ValueError("--disagg-port is for --disagg-role verifier")
+        if self.disagg_secret is None and role != "none":
+            self.disagg_secret = os.environ.get("SGLANG_VERICACHE_DISAGG_SECRET") or None
+        if self.disagg_secret is not None:
+            if role == "none":
+                raise ValueError("--disagg-secret is for --disagg-role drafter or verifier")
+            if not self.disagg_secret:
+                raise ValueError("--disagg-secret must not be empty")
         if self.disagg_prefill not in DISAGG_PREFILLS:
             raise ValueError(f"--disagg-prefill must be one of {', '.join(DISAGG_PREFILLS)}, "
                              f"got {self.disagg_prefill!r}")
@@ -462,11 +484,23 @@ class ServerArgs:
             help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
                  "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
                  "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
+        add("--disagg-secret", type=str, default=None,
+            help="Drafter and verifier: a shared secret; every frame between them then carries an HMAC-SHA256 "
+                 "under it, and frames without a valid one are dropped. Default: "
+                 "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
+                 "unauthenticated (the verifier then warns; keep its --host on loopback).")
         add("--disagg-timeout", type=float, default=d["disagg_timeout"].default,
             help="Seconds without an answer before the drafter fails the requests the verifier held (and "
                  "without a message before the verifier drops a drafter's sessions).")
         add("--random-seed", type=int, default=d["random_seed"].default,
             help="Seed for the server's random choices (seeds of unseeded requests).")
+        add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
+            help="Batch-invariant inference: every token row is computed by the same arithmetic whatever "
+                 "shares its batch (fixed-block matrix products, attention reduced in fixed chunks of keys), "
+                 "so a prompt's output (tokens and logprobs) is the same alone or under load, chunked or "
+                 "not, cache hit or miss, and VeriCache / lossy output equals deterministic full mode's "
+                 "bitwise in every dtype. Default: on with --kv-compressor (VeriCache and lossy modes) on "
+                 "a CPU, off in full mode; --no-enable-deterministic-inference turns it off.")
         add("--attention-backend", type=str, default=d["attention_backend"].default,
             help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
                  "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")

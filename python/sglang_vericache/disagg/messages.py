@@ -1,4 +1,5 @@
-"""Typed messages between a drafter and a verifier instance (pickled over a ZMQ DEALER/ROUTER pair).
+"""Typed messages between a drafter and a verifier instance (over a ZMQ DEALER/ROUTER pair, encoded by
+wire.py: msgpack headers and raw tensor frames, never pickle; a field added here goes there too).
 
 Drafter -> verifier messages carry `epoch`: the verifier instance they are meant for (0 = any,
 for Hello). A verifier answers a message for another epoch with a VerifyResult error (session
@@ -69,6 +70,15 @@ class Pong:
 
     epoch: int
     num_sessions: int = 0
+
+
+@dataclass
+class Refused:
+    """The answer to a frame of another wire protocol version (or to a peer this verifier refuses):
+    the drafter fails its requests with error."""
+
+    epoch: int
+    error: str
 
 
 @dataclass

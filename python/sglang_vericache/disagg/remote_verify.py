@@ -35,7 +35,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import time
 from typing import TYPE_CHECKING
 
@@ -48,9 +47,11 @@ from sglang_vericache.disagg.messages import (
     OpenSession,
     Pong,
     PrefillResult,
+    Refused,
     VerifyResult,
     VerifyRun,
 )
+from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import parse_bytes
 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
@@ -74,7 +75,7 @@ class VerifierLink:
     verifier can never reach its successor (and every message carries the epoch anyway).
     """
 
-    def __init__(self, addr: str, timeout_s: float):
+    def __init__(self, addr: str, timeout_s: float, secret: str | None = None):
         self.addr = addr
         self.timeout = timeout_s
         self.drafter_id = f"drafter-{os.getpid()}-{time.time_ns()}"
@@ -87,6 +88,10 @@ class VerifierLink:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sock.connect(addr)
+        self.codec = Codec(secret)  # wire.py: no pickle; refused frames are dropped, logged once
+        self.drops = DropLog(f"drafter (verifier at {addr})")
+        # Why the verifier refuses this drafter (another protocol version), until one answers in ours.
+        self.refused: str | None = None
         self.epoch: int | None = None
         self.waiting_since: float | None = None  # the first send not yet followed by any answer
         self.last_hello = 0.0
@@ -98,7 +103,7 @@ class VerifierLink:
     def send(self, msg) -> bool:
         """False if no connection took it (the verifier is down or not reachable yet)."""
         try:
-            self.sock.send(pickle.dumps(msg), zmq.NOBLOCK)
+            self.sock.send_multipart(self.codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             if self.waiting_since is None:  # expected to talk and could not: counts as silence
                 self.waiting_since = time.monotonic()
@@ -111,11 +116,30 @@ class VerifierLink:
         out = []
         while True:
             try:
-                frame = self.sock.recv(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            self.waiting_since = None
-            out.append(pickle.loads(frame))
+            try:
+                msg = self.codec.decode(frames)
+            except VersionMismatch as e:
+                self.refuse(f"verifier at {self.addr} speaks disagg wire protocol version {e.peer_version!r}; "
+                            f"this drafter speaks version {e.own_version} (run the same sglang-vericache "
+                            "version on both instances)")
+                continue
+            except WireError as e:
+                self.drops.drop(b"", e)
+                continue
+            if isinstance(msg, Refused):
+                self.refuse(msg.error)
+                continue
+            self.waiting_since, self.refused = None, None
+            out.append(msg)
+
+    def refuse(self, error: str) -> None:
+        """The verifier will not talk to this drafter: it counts as down, and requests fail with error."""
+        if self.refused != error:
+            logger.error("%s", error)
+        self.refused, self.epoch, self.waiting_since = error, None, None
 
     def heartbeat(self) -> bool:
         """Sends Hello when due; True if the verifier was up and has now been silent too long."""
@@ -142,7 +166,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
                 f"--disagg-role drafter cannot use --kv-compressor {s.server_args.kv_compressor}: it scores "
                 "pages with the verify pass's queries, which stay on the verifier (use a query-free "
                 "compressor: streamingllm, knorm, kivi2, kivi4, int8, fp8)")
-        self.link = VerifierLink(s.server_args.verifier_addr, s.server_args.disagg_timeout)
+        self.link = VerifierLink(s.server_args.verifier_addr, s.server_args.disagg_timeout,
+                                 s.server_args.disagg_secret)
         self.sessions: dict[str, Req] = {}  # rid -> request holding a session on the verifier
         self.inflight: dict[str, tuple[int, float]] = {}  # rid -> (round id, sent at)
         self.arrived: dict[str, VerifyResult] = {}
@@ -160,12 +185,12 @@ class RemoteVerifyWorker(VeriCacheWorker):
         """At start: up to --disagg-timeout for the verifier's first answer (then requests get 503s
         until it answers), so the two instances may start in either order."""
         deadline = time.monotonic() + self.link.timeout
-        while not self.link.up and time.monotonic() < deadline:
+        while not self.link.up and self.link.refused is None and time.monotonic() < deadline:
             self.link.heartbeat()
             if self.link.sock.poll(50):
                 for msg in self.link.recv():
                     self.on_message(msg)
-        if not self.link.up:
+        if not self.link.up and self.link.refused is None:
             logger.warning("verifier at %s has not answered yet; requests are refused until it does",
                            self.link.addr)
 
@@ -177,6 +202,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
             return ("constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported in the "
                     "dual-instance mode (--disagg-role drafter)", 400)
         self.poll_verifier()
+        if self.link.refused is not None:
+            return self.link.refused, 503
         if not self.link.up:
             return f"verifier at {self.link.addr} is not reachable", 503
         if self.s.server_args.disagg_prefill == "verifier":
@@ -189,7 +216,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
         """Sends req's OpenSession; False if no connection took it."""
         ok = self.link.send(OpenSession(
             rid=req.rid, input_ids=req.origin_input_ids, sampling_params=req.sampling_params, seed=req.seed,
-            return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, epoch=self.link.epoch,
+            return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, epoch=self.link.epoch or 0,
             kv_from=kv_from, logprob_start_len=req.logprob_start_len,
         ))
         if not ok:
@@ -233,6 +260,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
         """Every scheduler step: results, heartbeat, a verifier that went away, sessions to close."""
         for msg in self.link.recv():
             self.on_message(msg)
+        if self.link.refused is not None:  # another protocol version: no session can go on
+            self.fail_all(self.link.refused)
         if self.link.heartbeat():
             self.fail_all(f"verifier at {self.link.addr} went away (no answer for {self.link.timeout:g} s)")
         self.close_finished()

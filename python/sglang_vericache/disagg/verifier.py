@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import time
 from dataclasses import dataclass
@@ -38,13 +37,16 @@ from sglang_vericache.disagg.messages import (
     OpenSession,
     Pong,
     PrefillResult,
+    Refused,
     VerifyResult,
     VerifyRun,
 )
+from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_executor.forward_batch import ForwardMode
+from sglang_vericache.sampling.sampling_params import InvalidRequest
 from sglang_vericache.server_args import ServerArgs
 from sglang_vericache.spec.acceptance import accepted_length
 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
@@ -52,6 +54,7 @@ from sglang_vericache.spec.vericache_worker import VeriCacheWorker
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+MAX_FRAME_BYTES = 64 << 20  # drafters send token ids only: a larger frame closes its connection
 
 
 class _TargetSampler(VeriCacheWorker):
@@ -92,12 +95,22 @@ class VerifierServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.addr = f"tcp://{server_args.host}:{server_args.disagg_port}"
         self.sock.bind(self.addr)
+        # The wire format (wire.py): no pickle; frames it refuses are dropped and logged once per peer.
+        self.codec = Codec(server_args.disagg_secret)
+        self.drops = DropLog("verifier")
+        self.refused_at: dict[bytes, float] = {}  # peers of another protocol version: last Refused sent
+        if server_args.disagg_secret is None:
+            logger.warning("verifier: %s is unauthenticated (no --disagg-secret or SGLANG_VERICACHE_DISAGG_SECRET): "
+                           "any process that reaches it can open sessions%s", self.addr,
+                           "" if server_args.host in ("127.0.0.1", "localhost", "::1")
+                           else f", and --host {server_args.host} reaches beyond this machine")
         self.sessions: dict[str, Session] = {}  # key: session_key(drafter, rid), also the Req's rid
         self.drafter_seen: dict[bytes, float] = {}
         self.stats = {"sessions_opened": 0, "sessions_dropped": 0, "verify_forwards": 0, "runs_verified": 0,
-                      "prefills_sent": 0}
+                      "prefills_sent": 0, "frames_dropped": 0}
         self._stop = False
         logger.info("verifier listening on %s (epoch %d)", self.addr, self.epoch)
 
@@ -138,20 +151,45 @@ class VerifierServer:
     def receive(self) -> None:
         while True:
             try:
-                drafter, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+                drafter, *frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                msg = pickle.loads(frame)
-            except Exception:  # a bad frame must not stop the verifier
-                logger.exception("verifier: unreadable message")
+                msg = self.codec.decode(frames)
+            except VersionMismatch as e:
+                self.drop(drafter, e)
+                self.refuse_version(drafter, e)
+                continue
+            except WireError as e:  # never acted on; the verifier keeps serving everyone else
+                self.drop(drafter, e)
                 continue
             self.drafter_seen[drafter] = time.monotonic()
-            self.handle(drafter, msg)
+            try:
+                self.handle(drafter, msg)
+            except Exception as e:  # a well-formed but impossible message must not stop the verifier
+                logger.debug("verifier: message from %s failed", drafter.hex(), exc_info=True)
+                self.drop(drafter, WireError(f"a {type(msg).__name__} it could not handle ({e!r})"))
+
+    def drop(self, drafter: bytes, error: WireError) -> None:
+        self.drops.drop(drafter, error)
+        self.stats["frames_dropped"] = self.drops.count
+
+    def refuse_version(self, drafter: bytes, e: VersionMismatch) -> None:
+        """Answers a peer of another protocol version (at most once a second per peer) with Refused,
+        whose header's version is all that peer needs to read."""
+        now = time.monotonic()
+        if now - self.refused_at.get(drafter, -1e9) < 1.0:
+            return
+        if len(self.refused_at) >= DropLog.MAX_PEERS:
+            self.refused_at.clear()
+        self.refused_at[drafter] = now
+        self.send(drafter, Refused(self.epoch, (
+            f"verifier at {self.addr} speaks disagg wire protocol version {e.own_version}; the drafter sent "
+            f"version {e.peer_version!r} (run the same sglang-vericache version on both instances)")))
 
     def send(self, drafter: bytes, msg) -> None:
         try:
-            self.sock.send_multipart([drafter, pickle.dumps(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([drafter, *self.codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # a drafter that went away: its sessions expire
             logger.warning("verifier: cannot answer drafter %s: %s", drafter.hex(), e)
 
@@ -177,6 +215,8 @@ class VerifierServer:
             sess = self.sessions.get(key)
             if sess is None:
                 self.fail(drafter, rid, msg.round_id, "no such session on the verifier")
+            elif max(msg.tokens) >= self.sched.vocab_size:
+                self.fail(drafter, rid, msg.round_id, "a verify run with token ids outside the vocabulary")
             elif sess.pending is not None:
                 self.fail(drafter, rid, msg.round_id, "a verification of this session is already pending")
             else:
@@ -189,6 +229,16 @@ class VerifierServer:
     def open_session(self, drafter: bytes, key: str, msg: OpenSession) -> None:
         if key in self.sessions:
             self.fail(drafter, msg.rid, -1, "a session with this request id is already open")
+            return
+        vocab = self.sched.vocab_size
+        try:
+            msg.sampling_params.verify(vocab)
+            if msg.top_logprobs_num > vocab:
+                raise InvalidRequest(f"top_logprobs_num must be <= {vocab}, got {msg.top_logprobs_num}")
+            if msg.kv_from is not None and msg.kv_from > len(msg.input_ids):
+                raise InvalidRequest(f"kv_from {msg.kv_from} is past the prompt's {len(msg.input_ids)} tokens")
+        except InvalidRequest as e:
+            self.fail(drafter, msg.rid, -1, f"the verifier refused the request: {e}")
             return
         err = self.sched.handle_message(TokenizedGenerateReqInput(
             rid=key, input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, seed=msg.seed,
