@@ -119,7 +119,8 @@ class RemotePrefill:
             req = s.waiting_queue[0]
             if not self.worker.link.up:
                 s.waiting_queue.popleft()
-                self.fail_waiting(req, self.worker.link.refused or f"verifier at {self.worker.link.addr} is not reachable")
+                link = self.worker.link
+                self.fail_waiting(req, link.refused or f"verifier at {link.addr} is not reachable")
                 continue
             if self.fetch_pending(req):
                 return  # its pages are on the way; running requests draft meanwhile

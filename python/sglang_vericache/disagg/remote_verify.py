@@ -51,7 +51,7 @@ from sglang_vericache.disagg.messages import (
     VerifyResult,
     VerifyRun,
 )
-from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
+from sglang_vericache.disagg.wire import TO_DRAFTER, Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import parse_bytes
 from sglang_vericache.spec.vericache_worker import VeriCacheWorker
@@ -88,7 +88,7 @@ class VerifierLink:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sock.connect(addr)
-        self.codec = Codec(secret)  # wire.py: no pickle; refused frames are dropped, logged once
+        self.codec = Codec(secret, accept=TO_DRAFTER)  # wire.py: no pickle; refused frames are dropped
         self.drops = DropLog(f"drafter (verifier at {addr})")
         # Why the verifier refuses this drafter (another protocol version), until one answers in ours.
         self.refused: str | None = None
@@ -122,9 +122,9 @@ class VerifierLink:
             try:
                 msg = self.codec.decode(frames)
             except VersionMismatch as e:
-                self.refuse(f"verifier at {self.addr} speaks disagg wire protocol version {e.peer_version!r}; "
-                            f"this drafter speaks version {e.own_version} (run the same sglang-vericache "
-                            "version on both instances)")
+                self.refuse(f"verifier at {self.addr} speaks disagg wire protocol version "
+                            f"{e.peer_version!r}; this drafter speaks version {e.own_version} (run the "
+                            "same sglang-vericache version on both instances)")
                 continue
             except WireError as e:
                 self.drops.drop(b"", e)
@@ -216,7 +216,8 @@ class RemoteVerifyWorker(VeriCacheWorker):
         """Sends req's OpenSession; False if no connection took it."""
         ok = self.link.send(OpenSession(
             rid=req.rid, input_ids=req.origin_input_ids, sampling_params=req.sampling_params, seed=req.seed,
-            return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, epoch=self.link.epoch or 0,
+            return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+            epoch=self.link.epoch or 0,
             kv_from=kv_from, logprob_start_len=req.logprob_start_len,
         ))
         if not ok:

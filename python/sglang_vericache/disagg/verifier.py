@@ -41,7 +41,7 @@ from sglang_vericache.disagg.messages import (
     VerifyResult,
     VerifyRun,
 )
-from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
+from sglang_vericache.disagg.wire import TO_VERIFIER, Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.scheduler import Scheduler
@@ -99,13 +99,13 @@ class VerifierServer:
         self.addr = f"tcp://{server_args.host}:{server_args.disagg_port}"
         self.sock.bind(self.addr)
         # The wire format (wire.py): no pickle; frames it refuses are dropped and logged once per peer.
-        self.codec = Codec(server_args.disagg_secret)
+        self.codec = Codec(server_args.disagg_secret, accept=TO_VERIFIER)
         self.drops = DropLog("verifier")
         self.refused_at: dict[bytes, float] = {}  # peers of another protocol version: last Refused sent
         if server_args.disagg_secret is None:
-            logger.warning("verifier: %s is unauthenticated (no --disagg-secret or SGLANG_VERICACHE_DISAGG_SECRET): "
-                           "any process that reaches it can open sessions%s", self.addr,
-                           "" if server_args.host in ("127.0.0.1", "localhost", "::1")
+            logger.warning("verifier: %s is unauthenticated (no --disagg-secret or "
+                           "SGLANG_VERICACHE_DISAGG_SECRET): any process that reaches it can open sessions%s",
+                           self.addr, "" if server_args.host in ("127.0.0.1", "localhost", "::1")
                            else f", and --host {server_args.host} reaches beyond this machine")
         self.sessions: dict[str, Session] = {}  # key: session_key(drafter, rid), also the Req's rid
         self.drafter_seen: dict[bytes, float] = {}
@@ -236,7 +236,8 @@ class VerifierServer:
             if msg.top_logprobs_num > vocab:
                 raise InvalidRequest(f"top_logprobs_num must be <= {vocab}, got {msg.top_logprobs_num}")
             if msg.kv_from is not None and msg.kv_from > len(msg.input_ids):
-                raise InvalidRequest(f"kv_from {msg.kv_from} is past the prompt's {len(msg.input_ids)} tokens")
+                raise InvalidRequest(f"kv_from {msg.kv_from} is past the prompt's "
+                                     f"{len(msg.input_ids)} tokens")
         except InvalidRequest as e:
             self.fail(drafter, msg.rid, -1, f"the verifier refused the request: {e}")
             return

@@ -149,6 +149,8 @@ WIRE_TYPES: dict[type, type[_Msg]] = {
     m.Pong: Pong, m.Refused: Refused, m.PrefillResult: PrefillResult, m.VerifyResult: VerifyResult,
 }
 MESSAGE_TYPES: dict[type[_Msg], type] = {w: d for d, w in WIRE_TYPES.items()}
+TO_VERIFIER = (m.Hello, m.OpenSession, m.VerifyRun, m.CloseSession)
+TO_DRAFTER = (m.Pong, m.Refused, m.PrefillResult, m.VerifyResult)
 TENSOR_FIELDS: dict[type[_Msg], tuple[str, ...]] = {w: () for w in MESSAGE_TYPES}
 TENSOR_FIELDS.update({PrefillResult: ("k", "v"), VerifyResult: ("k", "v")})
 
@@ -177,26 +179,33 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[TensorSpec, memoryview]:
     return TensorSpec(name, list(t.shape)), memoryview(flat.view(torch.uint8).numpy())
 
 
-def _tensor_from(spec: TensorSpec, frame) -> torch.Tensor:
+def _check_tensor(spec: TensorSpec, frame) -> None:
     dtype = TENSOR_DTYPES.get(spec.dtype)
     if dtype is None:
         raise WireError(f"tensor dtype {spec.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
-    numel = math.prod(spec.shape)
-    want = numel * torch.empty((), dtype=dtype).element_size()
+    want = math.prod(spec.shape) * torch.empty((), dtype=dtype).element_size()
     got = len(memoryview(frame).cast("B"))
     if got != want:
         raise WireError(f"a {spec.dtype} tensor of shape {spec.shape} is {want} bytes; its frame has {got}")
-    if numel == 0:
+
+
+def _tensor_from(spec: TensorSpec, frame) -> torch.Tensor:
+    """An owned tensor (over a copy of the frame); _check_tensor passed."""
+    dtype = TENSOR_DTYPES[spec.dtype]
+    if math.prod(spec.shape) == 0:
         return torch.empty(spec.shape, dtype=dtype)
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(spec.shape)
 
 
 class Codec:
-    """Encodes messages.py messages to frames and back, for one protocol version and secret."""
+    """Encodes messages.py messages to frames and back, for one protocol version and secret; decode
+    refuses the message types not in accept (a verifier takes TO_VERIFIER, a drafter TO_DRAFTER)."""
 
-    def __init__(self, secret: str | bytes | None = None, version: int = PROTOCOL_VERSION):
+    def __init__(self, secret: str | bytes | None = None, version: int = PROTOCOL_VERSION,
+                 accept: tuple[type, ...] = TO_VERIFIER + TO_DRAFTER):
         self.key = secret.encode() if isinstance(secret, str) else secret
         self.version = version
+        self.accept = accept
 
     def mac(self, frames) -> bytes:
         h = hmac.new(self.key, _MAC_CONTEXT, hashlib.sha256)
@@ -237,6 +246,8 @@ class Codec:
             version = _probe_decoder.decode(frames[0]).v
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise WireError(f"a header that does not decode ({e})") from None
+        if version is None:
+            raise WireError("a header without a protocol version")
         if type(version) is not int or version != self.version:
             raise VersionMismatch(version, self.version)
         try:
@@ -250,6 +261,11 @@ class Codec:
                 frames) - 1 == len(specs) + 1 and len(frames[-1]) == MAC_BYTES else ""
             raise WireError(f"{len(frames) - 1} tensor frames for the {len(specs)} tensors its header "
                             f"names{hint}")
+        for (_, spec), frame in zip(specs, frames[1:]):
+            _check_tensor(spec, frame)
+        cls = MESSAGE_TYPES[type(wire)]
+        if cls not in self.accept:
+            raise WireError(f"a {cls.__name__}, which this side never receives")
         fields = {f: getattr(wire, f) for f in wire.__struct_fields__}
         for (name, spec), frame in zip(specs, frames[1:]):
             fields[name] = _tensor_from(spec, frame)
@@ -258,7 +274,7 @@ class Codec:
                 fields["sampling_params"].check_types()
             except ValueError as e:
                 raise WireError(f"bad sampling params ({e})") from None
-        return MESSAGE_TYPES[type(wire)](**fields)
+        return cls(**fields)
 
 
 def message_fields(cls) -> tuple[str, ...]:
