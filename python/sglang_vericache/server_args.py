@@ -146,7 +146,8 @@ class ServerArgs:
         self.validate()
         if self.enable_deterministic_inference is None:
             self.enable_deterministic_inference = (
-                self.kv_mode != "full" and not self.device.startswith("cuda") and self.attention_backend == "torch")
+                (self.kv_mode != "full" or self.disagg_role == "verifier")
+                and not self.device.startswith("cuda") and self.attention_backend == "torch")
 
     @property
     def kv_mode(self) -> str:

@@ -164,6 +164,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 "num_hidden_layers": mc.num_hidden_layers,
                 "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
                 "grammar_backend": "xgrammar" if self.grammar_backend is not None else None,
+                "enable_deterministic_inference": bool(self.server_args.enable_deterministic_inference),
+                "batch_invariant_linear": "%s x%d" % self.model_runner.batch_invariant_mode
+                if self.model_runner.batch_invariant_mode else None,
                 **self.tier_info(),
             },
         )

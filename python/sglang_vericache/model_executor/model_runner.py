@@ -35,9 +35,28 @@ class ModelRunner:
         self.page_size = server_args.page_size
         self.model = load_model(
             self.model_config, self.device, server_args.load_format, server_args.random_seed)
+        self.batch_invariant_mode = self.init_deterministic_inference()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.graph_runner = self.init_cuda_graphs()
+
+    def init_deterministic_inference(self) -> tuple[str, int] | None:
+        """--enable-deterministic-inference: batch-invariant linear layers and attention (built now, so
+        the first request does not wait for the kernel's compiler). -> the linear mode, or None."""
+        if not self.server_args.enable_deterministic_inference:
+            logger.info("deterministic inference: off (outputs may differ in the last bits with batch composition)")
+            return None
+        from sgl_kernel_ext import cpu_attention
+
+        from sglang_vericache.layers.batch_invariant import enable_batch_invariance
+
+        cpu_attention.load()
+        args = self.server_args
+        max_rows = max(args.chunked_prefill_size, args.max_prefill_tokens, args.max_running_requests * 33)
+        mode = enable_batch_invariance(self.model, min(max_rows, 512))
+        logger.info("deterministic inference: on (matrix products: %s, %d-row blocks; fixed-chunk attention)",
+                    *mode)
+        return mode
 
     def init_memory_pool(self) -> None:
         cfg, args, ps = self.model_config, self.server_args, self.page_size

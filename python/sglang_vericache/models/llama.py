@@ -14,6 +14,7 @@ from torch import nn
 
 from sglang_vericache.layers.activation import SiluAndMul
 from sglang_vericache.layers.layernorm import RMSNorm
+from sglang_vericache.layers.linear import Linear
 from sglang_vericache.layers.radix_attention import RadixAttention
 from sglang_vericache.layers.rotary_embedding import (
     RotaryEmbedding,
@@ -46,8 +47,8 @@ def check_sliding_window(config, context_len: int) -> None:
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=flags.o_bias)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         context_len = context_len or config.max_position_embeddings
         check_sliding_window(config, context_len)
         self.model = LlamaModel(config, context_len + 64, self.attention_flags(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_weights()
 

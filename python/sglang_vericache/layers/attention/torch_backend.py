@@ -120,6 +120,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.num_heads = num_heads
         self.force_layout: str | None = None  # "padded" / "ragged" to override the choice (tests)
         self.max_score_bytes = MAX_SCORE_BYTES  # ragged layout: query block size bound
+        # --enable-deterministic-inference: every attention goes through the batch-invariant kernel.
+        args = getattr(model_runner, "server_args", None)
+        self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -234,12 +237,13 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
+        attend = _invariant_attend if self.deterministic else _attend
         if isinstance(md, PaddedMetadata):
             qp = q if md.q_index is None else q.index_select(0, md.q_index)
-            out = _attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
+            out = attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
             return out if md.out_index is None else out.index_select(0, md.out_index)
         outs = [
-            _attend(q[b.q_start : b.q_start + b.q_len], k_buf, v_buf, b, 1, b.q_len, layer)
+            attend(q[b.q_start : b.q_start + b.q_len], k_buf, v_buf, b, 1, b.q_len, layer)
             for b in md.blocks
         ]
         return torch.cat(outs, 0)
@@ -275,10 +279,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             values = staged_context(v_rows, v, md, q.dtype)
         finally:
             staged.release(lid)  # copied out: the ring slot can take layer lid + depth now
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
-        out = _grouped_sdpa(qp, keys, values, _sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len,
-                            layer)
+        if self.deterministic:
+            out = _invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer)
+        else:
+            out = _grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
+                                _sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
         return out if md.out_index is None else out.index_select(0, md.out_index)
 
     def _forward_draft(self, q, k, v, layer, ctx, exact, out_loc, md: DraftMetadata, save_kv_cache: bool):
@@ -311,9 +317,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             _gather_into(k_ctx[row : row + len(flat)], k_src, flat)
             _gather_into(v_ctx[row : row + len(flat)], v_src, flat)
             row += len(flat)
+        mask = md.mask(layout)  # [B, 1, 1, S] or None
+        if self.deterministic:  # key j of request b is row j * bs + b of the context
+            index = torch.arange(s * bs, device=q.device).view(s, bs).T
+            allowed = None if mask is None else mask[:, 0]
+            return _invariant_kernel(q.view(bs, 1, *q.shape[1:]), k_ctx, v_ctx, index, allowed, layer)
         keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
         values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
-        return _grouped_sdpa(q, keys, values, md.mask(layout), bs, 1, layer)
+        return _grouped_sdpa(q, keys, values, mask, bs, 1, layer)
 
 
 def _attend(
@@ -340,6 +351,34 @@ def _attend(
                                              enable_gqa=True)
         return out.transpose(1, 2).reshape(bs * q_len, -1)
     return _grouped_sdpa(q, keys, values, _sdpa_mask(md, g), bs, q_len, layer)
+
+
+def _invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention) -> torch.Tensor:
+    """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype."""
+    from sgl_kernel_ext.cpu_attention import fixed_chunk_attention
+
+    out = fixed_chunk_attention(q, k_src, v_src, index, allowed, layer.scaling)
+    return out.to(q.dtype).reshape(q.shape[0] * q.shape[1], -1)
+
+
+def _invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int, q_len: int,
+                      layer: RadixAttention) -> torch.Tensor:
+    """_attend through the batch-invariant kernel, reading the pool in place (no gather)."""
+    index, allowed = md.kv_index, md.allowed
+    if k_buf.dtype != q.dtype:  # --kv-cache-dtype: gather, then read in the compute dtype
+        s = index.shape[1]
+        k_buf = k_buf.index_select(0, index.reshape(-1)).to(q.dtype)
+        v_buf = v_buf.index_select(0, index.reshape(-1)).to(q.dtype)
+        index = torch.arange(bs * s, device=q.device).view(bs, s)
+    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer)
+
+
+def _invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention) -> torch.Tensor:
+    """q [B*Lq, H, D] over assembled contexts keys / values [B, S, Hkv, D] -> [B*Lq, H*Dv]."""
+    s = keys.shape[1]
+    index = torch.arange(bs * s, device=q.device).view(bs, s)
+    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), keys.reshape(bs * s, *keys.shape[2:]),
+                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer)
 
 
 def _grouped_sdpa(

@@ -1,0 +1,166 @@
+"""Batch-invariant arithmetic for --enable-deterministic-inference.
+
+Invariant (what every layer below guarantees when it is on): a token row's result is computed by
+the same arithmetic in the same order whatever else shares the forward (how many rows, which
+rows, where the row sits, how many threads). Then a request's output is one function of
+(checkpoint, prompt, seed): alone or batched, chunked or not, cache hit or miss, full mode or a
+VeriCache verify pass.
+
+- Matrix products (`linear`): a library GEMM rounds a row differently for different row counts
+  (on an AVX2 EPYC, MKL float32 changes a row's bits for M = 1, 2, 3, 5, 6, 7, 9, 10, 11 against
+  M = 16; bfloat16 is invariant there as it is). Rows are therefore computed in blocks: the plain
+  call where it is invariant, else one call over the rows padded to a multiple of the block, else one
+  call per block. `choose_linear_mode` probes the model's own shapes once at start (every batch size
+  up to 33 and larger ones, two offsets, one thread and the current number) and picks the cheapest
+  mode that is invariant on this CPU; if none is, the server refuses to start.
+- Element-wise ops: torch's vectorized loops finish each thread's range with scalar code, and
+  float32 silu's scalar and vector paths differ in ~4% of inputs (exp does not); `silu_and_mul`
+  uses x / (1 + exp(-x)) in float32.
+- Attention: sgl_kernel_ext.cpu_attention (fixed chunks of visible keys, float32 statistics).
+- Norms, softmax, log_softmax and the sampler already work per row (checked in the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# (name, rows per block), cheapest first. "plain": the library call as it is (some CPUs' kernels are
+# already row-invariant for some dtypes, e.g. bfloat16 on AVX2); "padded": rows padded to a multiple
+# of the block, one call; "blocked": one call per block.
+MODES = (("plain", 1), ("padded", 4), ("padded", 8), ("padded", 16), ("blocked", 16))
+PROBE_ROWS = (*range(1, 41), 47, 64, 65, 100, 127, 128, 200, 255, 256, 333, 511, 512)  # row counts probed
+MAX_CALL_ROWS = 512  # larger inputs are computed in calls of this many rows (within the probed sizes)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str, int]) -> torch.Tensor:
+    """F.linear with every row computed as a row of a block of mode[1] rows (see module docstring)."""
+    kind, block = mode
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    if m > MAX_CALL_ROWS:
+        parts = [linear(p, weight, bias, mode) for p in x2.split(MAX_CALL_ROWS)]
+        return torch.cat(parts).reshape(*shape[:-1], weight.shape[0])
+    if kind == "plain":
+        return F.linear(x, weight, bias)
+    pad = -m % block
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    if kind == "padded" or x2.shape[0] == block:
+        y = F.linear(x2, weight, bias)
+    else:
+        y = torch.cat([F.linear(blk, weight, bias) for blk in x2.split(block)])
+    return y[:m].reshape(*shape[:-1], weight.shape[0])
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate, up] -> silu(gate) * up, silu in float32 as x / (1 + exp(-x)), rounded as F.silu's is."""
+    d = x.shape[-1] // 2
+    g = x[..., :d].float()
+    return (g / (1.0 + torch.exp(-g))).to(x.dtype) * x[..., d:]
+
+
+def _invariant(weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str, int], max_rows: int) -> bool:
+    """Every row computed in batches of every PROBE_ROWS size (up to max_rows), at two offsets, and
+    with one thread, equals the same row computed in the largest batch with the current threads."""
+    rows = [m for m in PROBE_ROWS if m <= max_rows]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows[-1] + 3, weight.shape[1], generator=gen).to(weight.dtype)
+    ref = linear(x, weight, bias, mode)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in dict.fromkeys((threads, 1)):
+            torch.set_num_threads(n_threads)
+            for m in rows:
+                for start in (0, 3) if m + 3 <= len(x) else (0,):
+                    if not torch.equal(linear(x[start : start + m], weight, bias, mode), ref[start : start + m]):
+                        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "sglang_vericache" / "batch_invariance.json"
+
+
+def _machine_key() -> str:
+    """What a probe's answer depends on besides the shape: the CPU, torch and the thread count."""
+    flags = ""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    import hashlib
+
+    return hashlib.sha1(f"{flags}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+
+
+def _probe(mod: torch.nn.Linear, mode: tuple[str, int], max_rows: int, cache: dict) -> bool:
+    """_invariant, remembered per machine (probes of a large model's shapes take seconds)."""
+    key = f"{_machine_key()}|{tuple(mod.weight.shape)}|{mod.bias is not None}|{mod.weight.dtype}|{mode}|{max_rows}"
+    if key not in cache:
+        cache[key] = _invariant(mod.weight, mod.bias, mode, max_rows)
+    return cache[key]
+
+
+def choose_linear_mode(model: torch.nn.Module, max_rows: int = 512) -> tuple[str, int]:
+    """The first of MODES that is row-invariant for every distinct linear shape of the model, for
+    batches of up to max_rows rows (the largest forward: chunked prefill size or max batch)."""
+    shapes = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            shapes.setdefault((tuple(mod.weight.shape), mod.bias is not None, mod.weight.dtype), mod)
+    path = _cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    size = len(cache)
+    try:
+        with torch.inference_mode():
+            for mode in MODES:
+                if all(_probe(mod, mode, max_rows, cache) for mod in shapes.values()):
+                    return mode
+                logger.info("deterministic inference: %s matrix products (%d-row blocks) are not row-invariant "
+                            "on this CPU", *mode)
+    finally:
+        if len(cache) != size:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(cache))
+                tmp.replace(path)
+            except OSError as exc:
+                logger.warning("could not save the batch-invariance probe cache %s: %s", path, exc)
+            logger.info("deterministic inference: %s matrix products (%d-row blocks) are not row-invariant "
+                        "on this CPU", *mode)
+    raise RuntimeError(
+        "--enable-deterministic-inference: no row-invariant matrix product found on this machine "
+        f"(tried {', '.join(f'{k} x{b}' for k, b in MODES)})"
+    )
+
+
+def enable_batch_invariance(model: torch.nn.Module, max_rows: int = 512) -> tuple[str, int]:
+    """Switch the model's linear layers and activations to batch-invariant arithmetic; -> the linear mode."""
+    from sglang_vericache.layers.activation import SiluAndMul
+    from sglang_vericache.layers.linear import Linear
+
+    mode = choose_linear_mode(model, max_rows)
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.batch_invariant_mode = mode
+        elif isinstance(mod, SiluAndMul):
+            mod.batch_invariant = True
+        elif isinstance(mod, torch.nn.Linear):
+            raise TypeError(f"{type(mod).__name__} is a plain nn.Linear: use layers.linear.Linear")
+    return mode

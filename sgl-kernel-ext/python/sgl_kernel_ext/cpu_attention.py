@@ -1,0 +1,108 @@
+"""Batch-invariant CPU attention (csrc/fixed_chunk_attention.cpp), built on first use.
+
+`fixed_chunk_attention` reduces every query row over its visible keys in fixed chunks of
+CHUNK visible keys, in key order, with float32 statistics, one row per work item: a row's output
+depends on its query and its visible keys and values only (not on the batch, the number of query
+rows, padding or the thread count). `fixed_chunk_attention_ref` is the same computation in torch
+ops, row by row (the reference for tests; it rounds differently, so compare with a tolerance).
+
+The C++ source is compiled by torch.utils.cpp_extension (g++, cached under
+TORCH_EXTENSIONS_DIR) the first time it is needed; `scripts/setup_cpu.sh` builds it up front.
+The build is named after the source and this CPU's instruction-set flags, so a cache shared by
+machines of different CPUs never loads a binary built for another one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+CHUNK = 64
+_SOURCE = Path(__file__).parent / "csrc" / "fixed_chunk_attention.cpp"
+_lock = threading.Lock()
+_loaded = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_name() -> str:
+    digest = hashlib.sha1(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    return f"sgl_kernel_ext_cpu_{digest.hexdigest()[:12]}"
+
+
+def load() -> None:
+    """Build (once per source and CPU) and load the kernel library; raises RuntimeError with the
+    compiler's message if it cannot be built."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import load as load_extension
+
+        flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+        try:
+            load_extension(
+                name=build_name(),
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=bool(os.environ.get("SGL_KERNEL_EXT_VERBOSE")),
+            )
+        except Exception as exc:  # compiler missing or failing: say what is needed
+            raise RuntimeError(
+                "could not build the batch-invariant CPU attention kernel "
+                f"({_SOURCE.name}) with torch.utils.cpp_extension: {exc}. It needs g++ and the "
+                "Python headers (Debian: apt-get install g++ python3-dev)"
+            ) from exc
+        _loaded = True
+
+
+def fixed_chunk_attention(
+    q: torch.Tensor,  # [B, Lq, H, D]
+    k_src: torch.Tensor,  # [N, Hkv, D]
+    v_src: torch.Tensor,  # [N, Hkv, Dv]
+    index: torch.Tensor,  # [B, S] int64 rows of k_src / v_src
+    allowed: torch.Tensor | None,  # [B, Lq, S] bool; None: every key visible
+    scale: float,
+) -> torch.Tensor:
+    """-> float32 [B, Lq, H, Dv]. K/V are read in q's dtype (converted first if stored otherwise)."""
+    load()
+    if k_src.dtype != q.dtype:
+        k_src, v_src = k_src.to(q.dtype), v_src.to(q.dtype)
+    mask = torch.empty(0, dtype=torch.bool) if allowed is None else allowed.contiguous()
+    return torch.ops.sgl_kernel_ext_cpu.fixed_chunk_attention(
+        q.contiguous(), k_src.contiguous(), v_src.contiguous(), index.to(torch.int64).contiguous(), mask,
+        float(scale),
+    )
+
+
+def fixed_chunk_attention_ref(q, k_src, v_src, index, allowed, scale) -> torch.Tensor:
+    """The same reduction in torch ops (float32, one row at a time): for tests."""
+    b_, lq, h, d = q.shape
+    hkv, dv = k_src.shape[1], v_src.shape[2]
+    g = h // hkv
+    out = torch.zeros(b_, lq, h, dv, dtype=torch.float32)
+    for b in range(b_):
+        for i in range(lq):
+            cols = torch.arange(index.shape[1]) if allowed is None else allowed[b, i].nonzero().squeeze(1)
+            if len(cols) == 0:
+                continue
+            rows = index[b, cols]
+            keys = k_src[rows].float().repeat_interleave(g, dim=1)  # [L, H, D]
+            values = v_src[rows].float().repeat_interleave(g, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[b, i].float() * scale, keys)
+            out[b, i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), values)
+    return out

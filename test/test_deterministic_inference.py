@@ -1,0 +1,142 @@
+"""--enable-deterministic-inference: a prompt's output (tokens and logprobs) is one function of
+(checkpoint, prompt, seed), bitwise, in bfloat16, float16 and float32: alone or among 32
+mixed-length concurrent requests, chunked prefill 64 or 512, prefix-cache hit or miss, 1 or 2
+threads; and VeriCache (every compressor, lock-step and staggered) and lossy-mode-independent
+drafting give exactly deterministic full mode's output, greedy and seeded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_vericache.compress.registry import COMPRESSOR_NAMES
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.testing.random_checkpoints import FAMILIES, make_random_checkpoint
+from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+
+NEW = 24
+TARGET_LENS = [5, 37, 70, 130]  # the requests compared
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: make_random_checkpoint(f, str(tmp_path_factory.mktemp(f))) for f in sorted(FAMILIES)}
+
+
+def random_prompts(lens, seed, vocab=400):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def scheduler(path, dtype, **server) -> Scheduler:
+    server.setdefault("page_size", 8)
+    server.setdefault("enable_deterministic_inference", True)
+    return Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, **server))
+
+
+def request(rid, ids, sampling=None, seed=0, new=NEW):
+    return make_request(rid, ids, seed=seed, return_logprob=True, max_new_tokens=new, ignore_eos=True,
+                        **(sampling or {"temperature": 0.0}))
+
+
+def outputs(sched, prompts, sampling=None, alone=False, crowd=()):
+    """(output ids, output logprobs) of each prompt: all at once with the crowd's requests, or one at a time."""
+    targets = [request(f"t{i}", ids, sampling, seed=100 + i) for i, ids in enumerate(prompts)]
+    if alone:
+        res = {}
+        for r in targets:
+            res.update(run_to_completion(sched, [r]))
+    else:
+        res = run_to_completion(sched, [*targets, *crowd])
+    return [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in targets]
+
+
+def crowd(n=28, seed=7):
+    """Mixed-length concurrent requests around the targets: greedy and seeded, short and long outputs."""
+    lens = [3 + (37 * i) % 190 for i in range(n)]
+    return [request(f"c{i}", ids, None if i % 3 else SEEDED, seed=i, new=4 + (i * 5) % 40)
+            for i, ids in enumerate(random_prompts(lens, seed))]
+
+
+def assert_identical(expected, got, label):
+    for i, ((ids_e, lp_e), (ids_g, lp_g)) in enumerate(zip(expected, got)):
+        assert ids_g == ids_e, f"{label}: request {i} tokens differ at {next(k for k, (a, b) in enumerate(zip(ids_e, ids_g)) if a != b)}"
+        assert lp_g == lp_e, f"{label}: request {i} logprobs differ"
+
+
+CASES = [(f, d) for f in sorted(FAMILIES) for d in ("bfloat16", "float32")] + [("llama", "float16")]
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_alone_equals_under_load_chunked_and_cached(checkpoints, family, dtype):
+    path = checkpoints[family]
+    prompts = random_prompts(TARGET_LENS, seed=1)
+    alone = outputs(scheduler(path, dtype), prompts, alone=True)
+    assert_identical(alone, outputs(scheduler(path, dtype), prompts, crowd=crowd()), "among 32 requests")
+    assert_identical(alone, outputs(scheduler(path, dtype, chunked_prefill_size=64), prompts, crowd=crowd()),
+                     "chunked prefill 64")
+    assert_identical(alone, outputs(scheduler(path, dtype, chunked_prefill_size=512), prompts), "chunked prefill 512")
+    # A prefix-cache hit: the same prompts again on a warm scheduler (their prompts' pages are cached).
+    warm = scheduler(path, dtype)
+    outputs(warm, prompts)
+    again = [request(f"h{i}", ids) for i, ids in enumerate(prompts)]
+    res = run_to_completion(warm, again)
+    assert sum(res[r.rid].cached_tokens for r in again) >= sum(n // 8 * 8 - 8 for n in TARGET_LENS)
+    assert_identical(alone, [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in again], "cache hit")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_and_two_threads_agree(checkpoints, dtype):
+    path = checkpoints["llama"]
+    prompts = random_prompts(TARGET_LENS, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        one = outputs(scheduler(path, dtype, num_threads=1), prompts, crowd=crowd(12))
+        two = outputs(scheduler(path, dtype, num_threads=2), prompts, crowd=crowd(12))
+    finally:
+        torch.set_num_threads(threads)
+    assert_identical(one, two, "1 vs 2 threads")
+
+
+@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("compressor", COMPRESSOR_NAMES)
+def test_vericache_equals_deterministic_full_in_bfloat16(checkpoints, compressor, sampling):
+    path = checkpoints["qwen2"]
+    prompts = random_prompts(TARGET_LENS, seed=3)
+    full = outputs(scheduler(path, "bfloat16"), prompts, sampling, crowd=crowd(8))
+    for schedule in ("lockstep", "staggered"):
+        vc = scheduler(path, "bfloat16", kv_compressor=compressor, speculative_algorithm="VERICACHE",
+                       speculative_num_draft_tokens="6", vericache_schedule=schedule)
+        assert_identical(full, outputs(vc, prompts, sampling, crowd=crowd(8)), f"{compressor} {schedule}")
+        assert vc.metrics.spec_rounds_total > 0
+
+
+def test_bundled_model_vericache_equals_full_in_bfloat16():
+    """The server's default model and dtype: 8 prompts among a crowd, snapkv and int8, over a 1 GB/s link."""
+    path = default_model_path()
+    prompts = random_prompts([12, 50, 90, 160, 7, 33, 120, 64], seed=4, vocab=4000)
+    full = outputs(scheduler(path, "bfloat16", page_size=16), prompts, crowd=crowd(8))
+    assert_identical(full, outputs(scheduler(path, "bfloat16", page_size=16), prompts, alone=True), "alone")
+    for compressor in ("snapkv", "int8"):
+        vc = scheduler(path, "bfloat16", page_size=16, kv_compressor=compressor, speculative_algorithm="VERICACHE",
+                       link_bandwidth="1GB")
+        assert_identical(full, outputs(vc, prompts, crowd=crowd(8)), compressor)
+
+
+def test_vericache_is_deterministic_by_default_and_full_mode_on_request():
+    assert ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE").enable_deterministic_inference
+    assert ServerArgs(kv_compressor="snapkv").enable_deterministic_inference
+    assert not ServerArgs(kv_compressor="snapkv", enable_deterministic_inference=False).enable_deterministic_inference
+    assert ServerArgs(disagg_role="verifier", disagg_port=31999).enable_deterministic_inference
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        ServerArgs(enable_deterministic_inference=True, attention_backend="triton")
+
+
+def test_server_info_says_whether_it_is_on(checkpoints):
+    on = scheduler(checkpoints["llama"], "float32").ready_message().server_info
+    off = scheduler(checkpoints["llama"], "float32", enable_deterministic_inference=False).ready_message().server_info
+    assert on["enable_deterministic_inference"] is True and on["batch_invariant_linear"] is not None
+    assert off["enable_deterministic_inference"] is False and off["batch_invariant_linear"] is None
