@@ -15,17 +15,48 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t CHUNK = 64;
+constexpr int64_t VW = 8;  // floats per vector (GCC vector extension: AVX, SSE or scalar code alike)
+typedef float vfloat __attribute__((vector_size(VW * sizeof(float))));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp for x <= 0 (a score minus its row's max), Cephes' expf polynomial (about 1 ulp) in plain float
+// arithmetic, so the compiler vectorizes it and every lane computes the same function.
+inline float exp_nonpositive(float x) {
+  const float xc = std::max(x, -87.0f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : y * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -35,12 +66,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// One work item = (request b, KV head hk, a block of up to QB query rows). A row's keys are taken
+// CHUNK visible keys at a time; the chunk's K is converted to float and stored transposed
+// ([D][CHUNK]) and its V as [CHUNK][Dv], and reused by the next row whose chunk has the same keys
+// (causal rows share all but their last chunk). Per (row, head): scores s[c] = sum_d q[d] k[d][c]
+// summed over d in order (vectorized across keys, no horizontal sums), then the chunk is folded
+// into the row's running max / sum / output (online softmax, float32). Nothing in a row's
+// arithmetic depends on the block, the reuse or the thread: only on its own keys.
+constexpr int64_t QB = 16;
+
 template <typename T>
 void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tensor& v_src,
                    const at::Tensor& index, const at::Tensor& allowed, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t Hkv = k_src.size(1), Dv = v_src.size(2), S = index.size(1);
-  const int64_t G = H / Hkv;
+  const int64_t G = H / Hkv, NQB = (Lq + QB - 1) / QB;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_src.data_ptr<T>();
   const T* vp = v_src.data_ptr<T>();
@@ -50,61 +90,104 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, B * Lq * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), kf(D), vf(Dv), acc(G * Dv), m(G), l(G), scores(G * CHUNK), alpha(G);
-    std::vector<int64_t> rows(CHUNK);
+  at::parallel_for(0, B * Hkv * NQB, 1, [&](int64_t begin, int64_t end) {
+    const int64_t R = QB * G;  // (query row, head) pairs of a block
+    std::vector<float> qf(R * D), kt(D * CHUNK), vc(CHUNK * Dv), acc(R * Dv), sc(CHUNK), m(R), l(R);
+    std::vector<int32_t> cols(QB * S);  // each row's visible columns, in order
+    std::vector<int64_t> nv(QB), chunk_cols(CHUNK);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t hk = w % Hkv, i = (w / Hkv) % Lq, b = w / (Hkv * Lq);
-      for (int64_t g = 0; g < G; ++g) {
-        to_float(qp + ((b * Lq + i) * H + hk * G + g) * D, qf.data() + g * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= fscale;
+      const int64_t qb = w % NQB, hk = (w / NQB) % Hkv, b = w / (NQB * Hkv);
+      const int64_t i0 = qb * QB, nq = std::min(QB, Lq - i0);
+      int64_t max_nv = 0;
+      for (int64_t il = 0; il < nq; ++il) {
+        const bool* row_allowed = ap ? ap + (b * Lq + i0 + il) * S : nullptr;
+        int32_t* rc = cols.data() + il * S;
+        int64_t n = 0;
+        for (int64_t s = 0; s < S; ++s)
+          if (!row_allowed || row_allowed[s]) rc[n++] = static_cast<int32_t>(s);
+        nv[il] = n;
+        max_nv = std::max(max_nv, n);
+        for (int64_t g = 0; g < G; ++g) {
+          float* qr = qf.data() + (il * G + g) * D;
+          to_float(qp + ((b * Lq + i0 + il) * H + hk * G + g) * D, qr, D);
+          for (int64_t d = 0; d < D; ++d) qr[d] *= fscale;
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
-      const bool* row_allowed = ap ? ap + (b * Lq + i) * S : nullptr;
-      int64_t n = 0;  // visible keys in the current chunk
-      auto flush = [&]() {
-        for (int64_t g = 0; g < G; ++g) {
-          float* sc = scores.data() + g * CHUNK;
-          float mc = m[g];
-          for (int64_t c = 0; c < n; ++c) mc = std::max(mc, sc[c]);
-          alpha[g] = std::exp(m[g] - mc);  // exp(-inf) = 0 on the first chunk
-          float sum = 0.f;
-          for (int64_t c = 0; c < n; ++c) {
-            sc[c] = std::exp(sc[c] - mc);
-            sum += sc[c];
+      int64_t built = 0;  // keys in the chunk buffers, chunk_cols[0, built) their columns
+      for (int64_t c0 = 0; c0 < max_nv; c0 += CHUNK) {
+        // Rows with the most keys first: a causal block builds each chunk once, the shorter rows'
+        // chunks are prefixes of it.
+        for (int64_t il = nq - 1; il >= 0; --il) {
+          if (nv[il] <= c0) continue;
+          const int32_t* rc = cols.data() + il * S + c0;
+          const int64_t cn = std::min(CHUNK, nv[il] - c0);
+          bool covered = cn <= built;
+          for (int64_t c = 0; covered && c < cn; ++c) covered = chunk_cols[c] == rc[c];
+          if (!covered) {
+            for (int64_t c = 0; c < cn; ++c) {
+              const int64_t r = ip[b * S + rc[c]];
+              const T* kr = kp + (r * Hkv + hk) * D;
+              for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + c] = static_cast<float>(kr[d]);
+              to_float(vp + (r * Hkv + hk) * Dv, vc.data() + c * Dv, Dv);
+              chunk_cols[c] = rc[c];
+            }
+            for (int64_t c = cn; c < CHUNK; ++c)  // unused lanes: finite, never read back
+              for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + c] = 0.f;
+            built = cn;
           }
-          l[g] = l[g] * alpha[g] + sum;
-          m[g] = mc;
-          float* a = acc.data() + g * Dv;
-          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha[g];
-        }
-        for (int64_t c = 0; c < n; ++c) {
-          to_float(vp + (rows[c] * Hkv + hk) * Dv, vf.data(), Dv);
           for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * CHUNK + c];
-            float* a = acc.data() + g * Dv;
+            const int64_t r = il * G + g;
+            float* s = sc.data();
+            const float* qr = qf.data() + r * D;
+            {  // s[c] = sum over d in order of q[d] * k[d][c]: 64 accumulators in 8 registers
+              vfloat s_acc[CHUNK / VW] = {};
+              for (int64_t d = 0; d < D; ++d) {
+                const vfloat qd = vfloat{} + qr[d];
+                const float* kd = kt.data() + d * CHUNK;
+                for (int64_t j = 0; j < CHUNK / VW; ++j) s_acc[j] += qd * vload(kd + j * VW);
+              }
+              for (int64_t j = 0; j < CHUNK / VW; ++j) vstore(s + j * VW, s_acc[j]);
+            }
+            float mc = m[r];
+            for (int64_t c = 0; c < cn; ++c) mc = std::max(mc, s[c]);
+            const float alpha = std::exp(m[r] - mc);  // exp(-inf) = 0 on the first chunk
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) a[d] += p * vf[d];
+            for (int64_t c = 0; c < CHUNK; ++c) s[c] = exp_nonpositive(s[c] - mc);
+            float sum = 0.f;
+            for (int64_t c = 0; c < cn; ++c) sum += s[c];
+            l[r] = l[r] * alpha + sum;
+            m[r] = mc;
+            float* a = acc.data() + r * Dv;
+            for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+            if (Dv == 64) {  // the common head size: the output row in 8 registers across the chunk
+              vfloat a_acc[64 / VW];
+              for (int64_t j = 0; j < 64 / VW; ++j) a_acc[j] = vload(a + j * VW);
+              for (int64_t c = 0; c < cn; ++c) {
+                const vfloat p = vfloat{} + s[c];
+                const float* vr = vc.data() + c * 64;
+                for (int64_t j = 0; j < 64 / VW; ++j) a_acc[j] += p * vload(vr + j * VW);
+              }
+              for (int64_t j = 0; j < 64 / VW; ++j) vstore(a + j * VW, a_acc[j]);
+            } else {
+              for (int64_t c = 0; c < cn; ++c) {
+                const float p = s[c];
+                const float* vr = vc.data() + c * Dv;
+                for (int64_t d = 0; d < Dv; ++d) a[d] += p * vr[d];
+              }
+            }
           }
         }
-        n = 0;
-      };
-      for (int64_t s = 0; s < S; ++s) {
-        if (row_allowed && !row_allowed[s]) continue;
-        const int64_t r = ip[b * S + s];
-        to_float(kp + (r * Hkv + hk) * D, kf.data(), D);
-        for (int64_t g = 0; g < G; ++g) scores[g * CHUNK + n] = dot(qf.data() + g * D, kf.data(), D);
-        rows[n++] = r;
-        if (n == CHUNK) flush();
       }
-      if (n) flush();
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + ((b * Lq + i) * H + hk * G + g) * Dv;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = acc[g * Dv + d] * inv;
-      }
+      for (int64_t il = 0; il < nq; ++il)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = il * G + g;
+          float* o = op + ((b * Lq + i0 + il) * H + hk * G + g) * Dv;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          for (int64_t d = 0; d < Dv; ++d) o[d] = acc[r * Dv + d] * inv;
+        }
     }
   });
 }

@@ -1,0 +1,82 @@
+"""sgl_kernel_ext.cpu_attention.fixed_chunk_attention: the batch-invariant CPU attention kernel.
+
+It matches the torch reference to float32 rounding, and a query row's output is bitwise the same
+whatever else is computed with it: other requests, other query rows, padding columns, masked keys
+between its keys, the number of threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kernel_ext.cpu_attention import fixed_chunk_attention, fixed_chunk_attention_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def case(dtype, b=3, lq=5, h=4, hkv=2, d=64, s=150, n=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, lq, h, d, generator=g).to(dtype)
+    k = torch.randn(n, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(dtype)
+    index = torch.randint(0, n, (b, s), generator=g)
+    allowed = torch.rand(b, lq, s, generator=g) < 0.7
+    return q, k, v, index, allowed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_reference(dtype):
+    q, k, v, index, allowed = case(dtype)
+    out = fixed_chunk_attention(q, k, v, index, allowed, 0.125)
+    ref = fixed_chunk_attention_ref(q, k, v, index, allowed, 0.125)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 4, 64)
+    assert (out - ref).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_alone_padded_and_among_others(dtype):
+    q, k, v, index, allowed = case(dtype, s=300)
+    out = fixed_chunk_attention(q, k, v, index, allowed, 0.125)
+    for b, i in [(0, 0), (1, 2), (2, 4)]:
+        cols = allowed[b, i].nonzero().squeeze(1)
+        # alone, its keys after 7 padding columns and with masked junk keys between them
+        width = 2 * len(cols) + 20
+        idx = torch.randint(0, len(k), (1, width))
+        mask = torch.zeros(1, 1, width, dtype=torch.bool)
+        at = 7 + 2 * torch.arange(len(cols))
+        idx[0, at], mask[0, 0, at] = index[b, cols], True
+        alone = fixed_chunk_attention(q[b : b + 1, i : i + 1], k, v, idx, mask, 0.125)
+        assert torch.equal(alone[0, 0], out[b, i])
+        # as the 20th of 40 query rows of one request (another query block)
+        many = q[b : b + 1, i : i + 1].expand(1, 40, *q.shape[2:]).contiguous()
+        many_mask = mask.expand(1, 40, width).clone()
+        many_mask[0, :19] = torch.rand(19, width) < 0.5
+        assert torch.equal(fixed_chunk_attention(many, k, v, idx, many_mask, 0.125)[0, 19], out[b, i])
+
+
+def test_causal_rows_equal_decode_rows_and_threads_do_not_matter():
+    """A verify pass (9 causal rows over a 1000-key prefix) equals 9 one-row decode steps bitwise."""
+    q, k, v, _, _ = case(torch.bfloat16, b=1, lq=9, n=1009)
+    index = torch.arange(1009).view(1, 1009)
+    causal = torch.arange(1009)[None, None, :] <= 1000 + torch.arange(9)[None, :, None]
+    verify = fixed_chunk_attention(q, k, v, index, causal, 0.125)
+    for i in range(9):
+        step = fixed_chunk_attention(q[:, i : i + 1], k, v, index[:, : 1001 + i], None, 0.125)
+        assert torch.equal(step[0, 0], verify[0, i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fixed_chunk_attention(q, k, v, index, causal, 0.125), verify)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_row_with_no_visible_key_is_zero_and_bad_shapes_are_refused():
+    q, k, v, index, allowed = case(torch.float32)
+    allowed[0, 0] = False
+    assert torch.equal(fixed_chunk_attention(q, k, v, index, allowed, 0.1)[0, 0], torch.zeros(4, 64))
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        fixed_chunk_attention(q, k[:, :, :32].contiguous(), v, index, allowed, 0.1)
+    with pytest.raises(RuntimeError, match="allowed must be"):
+        fixed_chunk_attention(q, k, v, index, allowed[:, :, :10], 0.1)
