@@ -332,15 +332,69 @@ def test_model_and_server_info(base_url, default_model_dir):
         }
 
 
-def test_flush_profile_and_concat_endpoints_answer_200(base_url):
+def test_flush_and_concat_endpoints_answer_200(base_url):
     wait_idle(base_url)
     assert requests.get(base_url + "/flush_cache", timeout=30).status_code == 200
     assert requests.post(base_url + "/flush_cache", json={"empty_cache": True}, timeout=30).status_code == 200
-    assert requests.get(base_url + "/start_profile", timeout=10).status_code == 200
-    assert requests.get(base_url + "/stop_profile", timeout=10).status_code == 200
+    # The SGLang frontend's parallel encoding calls it (and raises on anything but 200): nothing is
+    # moved here, and the answer says so; a malformed body is a 400.
     body = {"src_rids": ["a"], "dst_rid": "b"}
     r = requests.post(base_url + "/concate_and_append_request", json=body, timeout=10)
-    assert r.status_code == 200
+    assert r.status_code == 200 and "KV not concatenated" in r.text
+    r = requests.post(base_url + "/concate_and_append_request", json={"src_rids": "a"}, timeout=10)
+    assert r.status_code == 400 and "concate_and_append_request needs" in r.json()["error"]["message"]
+
+
+def _trace(path) -> dict:
+    with open(path) as f:
+        trace = json.load(f)
+    assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
+    return trace
+
+
+def test_start_and_stop_profile_write_a_chrome_trace(base_url, tmp_path):
+    wait_idle(base_url)
+    r = requests.post(base_url + "/start_profile", json={"output_dir": str(tmp_path), "profile_id": "p1"}, timeout=30)
+    assert r.status_code == 200, r.text
+    again = requests.get(base_url + "/start_profile", timeout=30)
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    generate(base_url, text=PROMPT, sampling_params=greedy(4))
+    assert not list(tmp_path.iterdir())  # written on stop
+    r = requests.get(base_url + "/stop_profile", timeout=60)
+    assert r.status_code == 200, r.text
+    path = tmp_path / "p1-TP-0.trace.json"
+    assert str(path) in r.text
+    _trace(path)
+    r = requests.post(base_url + "/stop_profile", timeout=30)
+    assert r.status_code == 400 and "profiling is not running" in r.json()["error"]["message"]
+
+
+def test_profile_stops_by_itself_after_num_steps(base_url, tmp_path):
+    wait_idle(base_url)
+    body = {"output_dir": str(tmp_path / "traces"), "num_steps": 2, "activities": ["CPU"]}
+    assert requests.post(base_url + "/start_profile", json=body, timeout=30).status_code == 200
+    generate(base_url, text=PROMPT, sampling_params=greedy(6))
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "traces").glob("*-TP-0.trace.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [path] = (tmp_path / "traces").glob("*-TP-0.trace.json")
+    _trace(path)
+    r = requests.get(base_url + "/stop_profile", timeout=30)
+    assert r.status_code == 400 and str(path) in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"num_steps": 0}, "num_steps must be >= 1"),
+    ({"activities": ["MEM"]}, "activities must be a non-empty list of CPU, GPU"),
+    ({"activities": ["GPU"]}, "GPU needs a server on CUDA"),
+    ({"profile_by_stage": True}, "not supported by this runtime: profile_by_stage"),
+    ({"output_dirr": "/tmp"}, "unknown profile field"),
+    ({"profile_id": "../x"}, "no path separators"),
+])
+def test_bad_profile_requests_are_400s(base_url, body, message):
+    r = requests.post(base_url + "/start_profile", json=body, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert requests.get(base_url + "/stop_profile", timeout=30).status_code == 400  # nothing started
 
 
 def _metric(text: str, name: str) -> float:

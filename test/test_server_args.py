@@ -48,3 +48,53 @@ def test_cli_error_exits_with_usage(capsys):
         prepare_server_args(["--kv-compressor", "zip"])
     assert e.value.code == 2
     assert "--kv-compressor must be one of" in capsys.readouterr().err
+
+
+def test_quantizing_compressors_match_the_registry():
+    import torch
+
+    from sglang_vericache.compress.base import CompressorConfig
+    from sglang_vericache.compress.registry import get_compressor, fp8_supported
+    from sglang_vericache.server_args import QUANTIZING_COMPRESSORS
+
+    shape = dict(ratio=4, chunk_size=16, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=4, dtype=torch.float32)
+    names = [n for n in COMPRESSOR_NAMES if n != "fp8" or fp8_supported()]
+    quantized = {n for n in names if get_compressor(n, CompressorConfig(n, **shape)).layout(0).kind == "quantized"}
+    assert quantized == set(QUANTIZING_COMPRESSORS) & set(names)
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    (dict(cuda_graph_max_bs=16), ["--cuda-graph-max-bs"]),  # on the CPU
+    (dict(cuda_graph_bs=[1, 2], cuda_graph_max_bs=8), ["--cuda-graph-max-bs", "--cuda-graph-bs"]),
+    (dict(kv_compressor="int8", kv_compression_ratio=8.0), ["--kv-compression-ratio"]),
+    (dict(kv_compressor="kivi4", kv_compression_ratio=2.0), ["--kv-compression-ratio"]),
+    (dict(kv_store="file", disable_radix_cache=True), ["--kv-store"]),
+])
+def test_flags_without_effect_are_warned_about_by_name(kwargs, flags, caplog, tmp_path):
+    if "kv_store" in kwargs:
+        kwargs = kwargs | {"kv_store_path": str(tmp_path)}
+    args = ServerArgs(**kwargs)
+    with caplog.at_level("WARNING", logger="sglang_vericache.server_args"):
+        warnings = args.log_flag_warnings()
+    assert [w.split(" ", 1)[0] for w in warnings] == flags
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == warnings
+    assert "has no effect" in warnings[0] or "never read" in warnings[0]
+
+
+def test_flags_with_effect_are_not_warned_about(tmp_path):
+    for kwargs in (dict(), dict(kv_compressor="snapkv", kv_compression_ratio=8.0), dict(kv_compressor="int8"),
+                   dict(kv_store="file", kv_store_path=str(tmp_path)), dict(disable_cuda_graph=True),
+                   dict(enable_metrics=True)):
+        assert ServerArgs(**kwargs).flag_warnings() == [], kwargs
+
+
+def test_cuda_graph_flags_warn_with_a_backend_without_graphs():
+    # Parsed, not validated for a device: the message names the backend.
+    args = prepare_server_args(["--cuda-graph-bs", "1", "2"])
+    args.device, args.attention_backend = "cuda", "torch"
+    assert args.flag_warnings() == ["--cuda-graph-bs has no effect: CUDA graphs are captured with "
+                                    "--attention-backend triton only (got torch)"]
+    args.attention_backend, args.disable_cuda_graph = "triton", True
+    assert args.flag_warnings() == ["--cuda-graph-bs has no effect: --disable-cuda-graph is set"]
+    args.disable_cuda_graph = False
+    assert args.flag_warnings() == []

@@ -29,6 +29,7 @@ class Engine:
         if model_path is not None:
             server_args_kwargs["model_path"] = model_path
         self.server_args = ServerArgs(**server_args_kwargs)
+        self.server_args.log_flag_warnings()
         error = model_folder_error(self.server_args)
         if error:
             raise FileNotFoundError(error)

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=server_args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
+    server_args.log_flag_warnings()
     if server_args.disagg_role == "verifier":  # dual-instance mode: no HTTP, the verifier loop (disagg/)
         from sglang_vericache.disagg.verifier import run_verifier
 

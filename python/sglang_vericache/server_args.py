@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -11,6 +12,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The compressor registry's names (compress/registry.py; a test keeps the two equal). Listed here
 # so that parsing flags never imports torch.
 KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2", "kivi4", "int8", "fp8")
+# Those whose layout is "quantized": the bit width fixes the ratio (a test keeps this equal to the registry).
+QUANTIZING_COMPRESSORS = ("kivi2", "kivi4", "int8", "fp8")
+DEFAULT_KV_COMPRESSION_RATIO = 4.0
+logger = logging.getLogger(__name__)
 
 
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
@@ -78,7 +83,7 @@ class ServerArgs:
 
     # Two-tier KV cache and VeriCache (issues 4-6).
     kv_compressor: str | None = None
-    kv_compression_ratio: float = 4.0
+    kv_compression_ratio: float = DEFAULT_KV_COMPRESSION_RATIO  # token-dropping compressors only
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
     device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
@@ -133,7 +138,7 @@ class ServerArgs:
     trust_remote_code: bool = False  # for configs and tokenizers that ship their own code
     quantization: str | None = None  # weight quantization: none supported
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
-    enable_metrics: bool = False  # /metrics is always served; accepted for SGLang command lines
+    enable_metrics: bool = False  # changes nothing: /metrics is always served; accepted for SGLang command lines
     log_requests: bool = False  # log each request on arrival and on finish
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
     watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
@@ -193,6 +198,37 @@ class ServerArgs:
     @property
     def max_draft_tokens(self) -> int:
         return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
+
+    def flag_warnings(self) -> list[str]:
+        """Flags given a value that has no effect with the rest of the command line, each named."""
+        out = []
+        graph_flags = [flag for flag, value in (("--cuda-graph-max-bs", self.cuda_graph_max_bs),
+                                                ("--cuda-graph-bs", self.cuda_graph_bs)) if value is not None]
+        why = None
+        if not self.device.startswith("cuda"):
+            why = f"CUDA graphs are captured on CUDA only (--device {self.device})"
+        elif self.attention_backend != "triton":
+            why = f"CUDA graphs are captured with --attention-backend triton only (got {self.attention_backend})"
+        elif self.disable_cuda_graph:
+            why = "--disable-cuda-graph is set"
+        if why is not None:
+            out += [f"{flag} has no effect: {why}" for flag in graph_flags]
+        if self.kv_compressor in QUANTIZING_COMPRESSORS and self.kv_compression_ratio != DEFAULT_KV_COMPRESSION_RATIO:
+            out.append(f"--kv-compression-ratio {self.kv_compression_ratio:g} has no effect with --kv-compressor "
+                       f"{self.kv_compressor}: a quantizer's ratio is fixed by its bit width")
+        if self.kv_store != "none" and self.disable_radix_cache:
+            out.append(f"--kv-store {self.kv_store} with --disable-radix-cache: pages are written to the store "
+                       "but never read (loaded pages live in the radix tree)")
+        return out
+
+    def log_flag_warnings(self) -> list[str]:
+        """Logs flag_warnings() (once, at startup) and a note on --enable-metrics."""
+        warnings = self.flag_warnings()
+        for message in warnings:
+            logger.warning(message)
+        if self.enable_metrics:
+            logger.info("--enable-metrics: /metrics is always served here; the flag changes nothing")
+        return warnings
 
     def validate(self) -> None:
         self.validate_sglang_flags()
@@ -424,7 +460,8 @@ class ServerArgs:
                  "kivi4, int8, fp8. Alone it serves from compressed KV (lossy); with "
                  "--speculative-algorithm VERICACHE it drafts from it and verifies against exact KV.")
         add("--kv-compression-ratio", type=float, default=d["kv_compression_ratio"].default,
-            help="Compression ratio of token-dropping compressors (quantizers imply their own).")
+            help="Compression ratio of token-dropping compressors. Quantizers (kivi2, kivi4, int8, fp8) have "
+                 "the ratio of their bit width: with them this flag has no effect (a warning says so).")
         add("--speculative-algorithm", type=str, default=None,
             help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV.")
         add("--speculative-num-draft-tokens", type=str, default=d["speculative_num_draft_tokens"].default,
@@ -512,9 +549,10 @@ class ServerArgs:
                  "and replayed (batches padded up to the next captured size).")
         add("--cuda-graph-max-bs", type=int, default=None,
             help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
-                 "run eagerly.")
+                 "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
         add("--cuda-graph-bs", type=int, nargs="+", default=None,
-            help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs).")
+            help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs). CUDA "
+                 "with --attention-backend triton only (elsewhere: a warning).")
         add("--tool-call-parser", type=str, default=None,
             help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")
         add("--reasoning-parser", type=str, default=None,
@@ -537,7 +575,8 @@ class ServerArgs:
             help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
                  "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
         add("--enable-metrics", action="store_true",
-            help="Accepted for SGLang command lines: Prometheus metrics are always served at /metrics.")
+            help="Changes nothing here: Prometheus metrics are always served at /metrics (SGLang serves them "
+                 "only with this flag). Accepted so that SGLang command lines run.")
         add("--log-requests", action="store_true",
             help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
                  "(tokens, finish reason, text).")

@@ -33,6 +33,7 @@ from sglang_vericache.entrypoints.openai.serving_chat import render_prompt, serv
 from sglang_vericache.entrypoints.openai.serving_completions import serve_completion
 from sglang_vericache.entrypoints.openai.serving_responses import serve_responses
 from sglang_vericache.entrypoints.openai.utils import SSE_DONE, json_response, openai_error
+from sglang_vericache.managers.io_struct import ProfileReq
 from sglang_vericache.managers.metrics import render_prometheus
 from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.managers.tokenizer_manager import GenerateError, TokenizerManager
@@ -226,18 +227,33 @@ async def flush_cache() -> Response:
 
 
 @app.api_route("/start_profile", methods=["GET", "POST"])
-async def start_profile() -> Response:
-    return PlainTextResponse("Start profiling. (no profiler in this runtime: a no-op)\n")
+async def start_profile(request: Request) -> Response:
+    """torch.profiler in the scheduler (managers/scheduler_profiler.py); SGLang's optional body."""
+    body = await read_json(request) if (await request.body()).strip() else None
+    out = await tm().profile(ProfileReq.from_json("start", body))
+    return PlainTextResponse(out.message + "\n") if out.success else native_error(out.message, 400)
 
 
 @app.api_route("/stop_profile", methods=["GET", "POST"])
 async def stop_profile() -> Response:
-    return PlainTextResponse("Stop profiling. (no profiler in this runtime: a no-op)\n")
+    """Stops the profile /start_profile began and writes its trace; 400 when none runs."""
+    out = await tm().profile(ProfileReq("stop"))
+    return PlainTextResponse(out.message + "\n") if out.success else native_error(out.message, 400)
 
 
 @app.post("/concate_and_append_request")
-async def concate_and_append_request() -> Response:
-    return PlainTextResponse("")
+async def concate_and_append_request(request: Request) -> Response:
+    """The SGLang frontend's join(mode="concate_and_append") asks for dst's KV = the forks' KV. No KV
+    is kept per rid here: the frontend already appended the forks' text to dst's prompt, which dst's
+    next /generate prefills (as the frontend's text mode does). 200, saying nothing was moved."""
+    body = await read_json(request)
+    src, dst = (body.get("src_rids"), body.get("dst_rid")) if isinstance(body, dict) else (None, None)
+    if not (isinstance(src, list) and all(isinstance(r, str) for r in src) and isinstance(dst, str)):
+        raise InvalidRequest('concate_and_append_request needs {"src_rids": ["<rid>", ...], "dst_rid": "<rid>"}')
+    return PlainTextResponse(
+        "KV not concatenated: concate_and_append_request moves no KV in this runtime; dst_rid's next "
+        "/generate prefills the appended text (cached prefixes are reused).\n"
+    )
 
 
 @app.api_route("/generate", methods=["POST", "PUT"])

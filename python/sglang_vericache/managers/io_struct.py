@@ -6,8 +6,9 @@ Everything here is pickled over ZMQ; keep it plain data (ints, strs, lists, dict
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from sglang_vericache.sampling.sampling_params import SamplingParams
+from sglang_vericache.sampling.sampling_params import InvalidRequest, SamplingParams
 
 # A logprob entry as the scheduler sends it: (logprob or None, token_id). The TokenizerManager adds text.
 LogprobEntry = tuple  # (float | None, int)
@@ -50,6 +51,67 @@ class FlushCacheReqOutput:
 @dataclass
 class GetStatsReq:
     pass
+
+
+# SGLang ProfileReq fields honoured here, and those accepted only at their default (off) value.
+PROFILE_ACTIVITIES = ("CPU", "GPU")
+_PROFILE_FIELDS = {"output_dir": str, "num_steps": int, "activities": list, "with_stack": bool,
+                   "record_shapes": bool, "profile_id": str}
+_PROFILE_UNSUPPORTED_IF_SET = ("start_step", "profile_by_stage", "merge_profiles", "profile_prefix",
+                               "profile_stages", "detailed_annotations")
+
+
+@dataclass
+class ProfileReq:
+    """/start_profile (kind "start") and /stop_profile ("stop"): torch.profiler in the scheduler
+    (managers/scheduler_profiler.py). None fields take the scheduler's defaults."""
+
+    kind: str
+    output_dir: str | None = None  # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp
+    num_steps: int | None = None  # stop by itself after this many scheduler steps with work
+    activities: list[str] | None = None  # CPU, GPU; default: CPU, and GPU on CUDA
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None  # the trace file's name stem; default: the start time
+
+    @staticmethod
+    def from_json(kind: str, body: Any) -> ProfileReq:
+        """SGLang's ProfileReq body (or none); InvalidRequest names a bad or unsupported field."""
+        if body is None or kind == "stop":
+            return ProfileReq(kind)
+        if not isinstance(body, dict):
+            raise InvalidRequest("the profile request body must be a JSON object")
+        unsupported = [k for k in _PROFILE_UNSUPPORTED_IF_SET if body.get(k) not in (None, False, [], "")]
+        if unsupported:
+            raise InvalidRequest(f"profile field(s) not supported by this runtime: {', '.join(unsupported)}")
+        unknown = sorted(set(body) - set(_PROFILE_FIELDS) - set(_PROFILE_UNSUPPORTED_IF_SET))
+        if unknown:
+            raise InvalidRequest(f"unknown profile field(s): {', '.join(unknown)}")
+        fields = {}
+        for name, typ in _PROFILE_FIELDS.items():
+            value = body.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise InvalidRequest(f"profile field {name} must be a {typ.__name__}, got {value!r}")
+            fields[name] = value
+        if fields.get("num_steps", 1) < 1:
+            raise InvalidRequest(f"num_steps must be >= 1, got {fields['num_steps']}")
+        pid = fields.get("profile_id")
+        if pid is not None and (not pid or "/" in pid or "\\" in pid or pid.startswith(".")):
+            raise InvalidRequest(f"profile_id names the trace file: no path separators or leading dot, got {pid!r}")
+        if "activities" in fields:
+            bad = [a for a in fields["activities"] if a not in PROFILE_ACTIVITIES]
+            if bad or not fields["activities"]:
+                raise InvalidRequest(f"activities must be a non-empty list of {', '.join(PROFILE_ACTIVITIES)} "
+                                     f"(SGLang's MEM, RPD and others are not supported here), got {bad or []}")
+        return ProfileReq(kind, **fields)
+
+
+@dataclass
+class ProfileReqOutput:
+    success: bool
+    message: str = ""
 
 
 @dataclass

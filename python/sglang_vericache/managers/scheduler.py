@@ -25,6 +25,7 @@ from sglang_vericache.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetStatsReq,
+    ProfileReq,
     ReqOutput,
     SchedulerError,
     SchedulerReady,
@@ -33,6 +34,7 @@ from sglang_vericache.managers.io_struct import (
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from sglang_vericache.managers.scheduler_profiler import SchedulerProfiler
 from sglang_vericache.managers.stats import SchedulerMetrics
 from sglang_vericache.managers.watchdog import StepWatchdog
 from sglang_vericache.mem_cache.radix_cache import RadixCache
@@ -128,6 +130,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.outbox: list[ReqOutput] = []
         # Benchmarks set a list here to get (start, end, tag) of every model forward.
         self.timeline: list[tuple[float, float, str]] | None = None
+        self.profiler = SchedulerProfiler(server_args.device)  # /start_profile, /stop_profile
 
         self.recv_socket = self.send_socket = None
         if port_args is not None:
@@ -209,15 +212,20 @@ class Scheduler(SchedulerOutputProcessorMixin):
         timeout = self.server_args.watchdog_timeout_s
         watchdog = StepWatchdog(timeout) if timeout is not None else None
         while True:
-            idle = not (self.waiting_queue or self.running or self.chunked_req
-                        or (self.remote_prefill is not None and self.remote_prefill.prefilling))
-            self.recv_requests(block=idle)
+            self.recv_requests(block=not self.has_work())
+            busy = self.has_work()
             if watchdog is None:
                 self.step()
             else:
                 with watchdog.step():
                     self.step()
             self.flush_outbox()
+            if busy and self.profiler.running:
+                self.profiler.on_step()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req
+                    or (self.remote_prefill is not None and self.remote_prefill.prefilling))
 
     def recv_requests(self, block: bool = False) -> None:
         if self.recv_socket is None:
@@ -242,6 +250,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return self.flush_cache()
         elif isinstance(msg, GetStatsReq):
             return self.get_stats()
+        elif isinstance(msg, ProfileReq):
+            return self.profiler.handle(msg)
         else:
             logger.warning("scheduler got an unknown message %r", type(msg))
         return None

@@ -26,6 +26,8 @@ from sglang_vericache.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetStatsReq,
+    ProfileReq,
+    ProfileReqOutput,
     ReqOutput,
     SchedulerError,
     SchedulerStats,
@@ -124,6 +126,7 @@ class TokenizerManager:
         self.last_stats: SchedulerStats | None = None
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
+        self._profile_waiters: deque[asyncio.Future] = deque()
         self._loop_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
@@ -171,7 +174,7 @@ class TokenizerManager:
             state.error = GenerateError(reason, 500)
             state.event.set()
         self.rid_to_state.clear()
-        for waiters in (self._stats_waiters, self._flush_waiters):
+        for waiters in (self._stats_waiters, self._flush_waiters, self._profile_waiters):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
@@ -208,6 +211,8 @@ class TokenizerManager:
             _resolve_next(self._stats_waiters, msg)
         elif isinstance(msg, FlushCacheReqOutput):
             _resolve_next(self._flush_waiters, msg)
+        elif isinstance(msg, ProfileReqOutput):
+            _resolve_next(self._profile_waiters, msg)
         else:
             logger.warning("unexpected message from the scheduler: %r", type(msg).__name__)
 
@@ -408,3 +413,7 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._ask(FlushCacheReq(), self._flush_waiters)
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """/start_profile and /stop_profile: the scheduler starts or stops torch.profiler."""
+        return await self._ask(req, self._profile_waiters)

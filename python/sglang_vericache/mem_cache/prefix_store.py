@@ -113,9 +113,6 @@ class PrefixStore:
         self.stats = {t: TierStats() for t in self.tiers}
         self.tokens_loaded = 0
         self._skip: tuple | None = None  # (rid, tree pages, comp pages) of a lookup that found all it could
-        if s.tree_cache.disable:
-            logger.warning("--disable-radix-cache: the KV store is written but never read "
-                           "(loaded pages live in the radix tree)")
         logger.info("KV store %r for %s, tiers: %s", self.store, model, ", ".join(self.tiers))
 
     # ------------------------------------------------------------------ write-through
