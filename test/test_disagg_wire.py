@@ -11,6 +11,7 @@ with an error naming both versions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import pickle
@@ -34,7 +35,6 @@ from sglang_vericache.disagg.wire import (
     Codec,
     VersionMismatch,
     WireError,
-    message_fields,
 )
 from sglang_vericache.managers.io_struct import SchedulerError
 from sglang_vericache.managers.scheduler import Scheduler
@@ -42,6 +42,11 @@ from sglang_vericache.sampling.sampling_params import SamplingParams
 from sglang_vericache.server_args import ServerArgs
 
 SECRET = "test-secret-0123"
+
+
+def message_fields(cls) -> tuple[str, ...]:
+    """The field names of a messages.py message (WIRE_TYPES must keep in step with them)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def poll_until(cond, what: str, limit_s: float = 20.0) -> None:

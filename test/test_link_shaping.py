@@ -41,7 +41,7 @@ SHARED = 33  # 4 whole pages every prompt shares
 
 # argv: url, n. Puts n bytes under one key with the runtime's store and reads them back, timed.
 _STORE_CLIENT = """
-import json, sys, time
+import dataclasses, json, sys, time
 from sglang_vericache.mem_cache.storage import create_store
 url, n = sys.argv[1], int(sys.argv[2])
 store = create_store("redis", url=url, timeout_s=10.0, prefix="shaping")
@@ -53,7 +53,7 @@ got = store.get(["blob"])
 t2 = time.perf_counter()
 store.clear()
 print(json.dumps({"put_s": t1 - t0, "get_s": t2 - t1, "stored": stored, "equal": got == [data],
-                  "stats": store.stats.as_dict()}))
+                  "stats": dataclasses.asdict(store.stats)}))
 """
 
 # argv: JSON {model, url, page_size, new, prompts}. A fresh Scheduler with the Redis KV store runs

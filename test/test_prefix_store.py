@@ -20,6 +20,7 @@ from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, default_kv_store_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.tree_invariants import check_invariants
 
 P = 8
 NEW = 16
@@ -162,7 +163,7 @@ def test_vericache_fresh_instance_loads_both_tiers(llama, batch, no_store, tmp_p
     assert s["kv_store_exact_pages_hit_total"] == s["kv_store_compressed_pages_hit_total"] == 32
     assert s["kv_store_exact_pages_written_total"] == s["kv_store_compressed_pages_written_total"] == 0
     assert reader.tree_cache.comp_hit_rate() > 0
-    reader.tree_cache.check_invariants()
+    check_invariants(reader.tree_cache)
     assert_pool_accounted(reader)
     assert reader.two_tier.pool.available_chunks() + reader.tree_cache.comp_evictable_chunks() \
         == reader.two_tier.pool.num_chunks

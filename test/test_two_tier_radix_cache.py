@@ -12,6 +12,7 @@ from sglang_vericache.compress import CompressorConfig, get_compressor
 from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
 from sglang_vericache.mem_cache.memory_pool import PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.two_tier_radix_cache import TwoTierRadixCache
+from sglang_vericache.testing.tree_invariants import check_invariants
 
 P = 2  # page size = compression chunk size
 NUM_PAGES, NUM_CHUNKS = 8, 8
@@ -485,13 +486,13 @@ def test_random_requests_keep_the_invariants_and_give_everything_back():
             running.remove(r)
         elif op == 6:
             cache.evict(rng.randint(0, 6)) if rng.random() < 0.5 else cache.evict_compressed(rng.randint(0, 3))
-        cache.check_invariants()
+        check_invariants(cache)
         own_slots, own_chunks = own_counts(running)
         assert allocator.available_size() + cache.total_size() + own_slots == NUM_PAGES * P
         assert pool.available_chunks() + cache.comp_total_chunks() + own_chunks == NUM_CHUNKS
     for r in running:
         cache.cache_finished_req(r)
-    cache.check_invariants()
+    check_invariants(cache)
     assert sizes(cache)[1::2] == (0, 0)  # nothing is locked any more
     cache.evict(100)
     assert (allocator.available_size(), pool.available_chunks()) == (NUM_PAGES * P, NUM_CHUNKS)

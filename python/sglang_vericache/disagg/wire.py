@@ -19,7 +19,6 @@ it refuses; callers drop that frame (DropLog logs once per peer).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import logging
@@ -275,11 +274,6 @@ class Codec:
             except ValueError as e:
                 raise WireError(f"bad sampling params ({e})") from None
         return cls(**fields)
-
-
-def message_fields(cls) -> tuple[str, ...]:
-    """The field names of a messages.py message (for the test that keeps WIRE_TYPES in step)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 class DropLog:

@@ -89,10 +89,6 @@ class TransferEngine:
         self._queue.put(_Job(copy_fn, handle, after))
         return handle
 
-    def link_seconds(self, nbytes: int) -> float:
-        """The throttled link time of nbytes (0 when unthrottled): what a scheduler budgets."""
-        return 0.0 if self.bandwidth is None else nbytes / self.bandwidth
-
     def reset_stats(self) -> None:
         # (start, end, nbytes, tag) of the recent jobs; bounded so a long-running server does not grow.
         self.busy_intervals: deque[tuple[float, float, int, str]] = deque(maxlen=MAX_INTERVALS)

@@ -205,26 +205,6 @@ class TwoTierRadixCache(RadixCache):
         """Tokens matched in the compressed tier / tokens queried by match_prefix."""
         return self.num_comp_matched_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
-    def check_invariants(self) -> None:
-        """Asserts invariants E, C, L (path locking) and S over the whole tree. O(tree): for tests
-        and debugging."""
-        sizes, stack = [0, 0, 0, 0], list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            parent = node.parent
-            assert len(node.key) % self.page_size == 0 and len(node.value) == len(node.key) > 0, node
-            if parent is not self.root_node:  # locks are taken on whole paths
-                assert parent.lock_ref >= node.lock_ref and parent.comp_lock_ref >= node.comp_lock_ref, node
-            sizes[self._pinned(node)] += len(node.key)
-            if node.comp is not None:
-                assert len(node.comp) == len(node.key) // self.page_size, node
-                assert parent is self.root_node or parent.comp is not None, f"comp below no comp: {node}"
-                sizes[2 + (node.comp_lock_ref > 0)] += len(node.comp)
-            stack.extend(node.children.values())
-        assert tuple(sizes) == (
-            self.evictable_size_, self.protected_size_, self.comp_evictable_chunks_, self.comp_protected_chunks_
-        ), f"sizes {sizes}"
-
     # ------------------------------------------------------------ request hooks
     #
     # Contract with Req (fields beyond the single-tier ones, see RadixCache):

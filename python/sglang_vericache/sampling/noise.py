@@ -108,13 +108,6 @@ def _gumbel_(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()
 
 
-def gumbel_at(
-    seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype = torch.float64
-) -> torch.Tensor:
-    """[rows, K] Gumbel(0, 1) noise -log(-log(u)) for the given token ids of each row."""
-    return _gumbel_(uniform_at(seeds, positions, token_ids, dtype))
-
-
 def gumbel_keyed(
     keys: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:

@@ -123,16 +123,6 @@ class TwoTierKV:
             self.s.tree_cache.evict_compressed(short)
         return self.pool.alloc(n)
 
-    def rebuild(self, req: Req, upto_tokens: int) -> bool:
-        """Rebuilds compressed chunks of pages the tree has exact KV for but no comp (query-free
-        compressors only); the request then owns them."""
-        req_committed = req.kv_committed_len
-        req.kv_committed_len = upto_tokens
-        try:
-            return self.fold(req)
-        finally:
-            req.kv_committed_len = req_committed
-
     # ------------------------------------------------------------------ admission and memory
 
     def usable_match(self, match):

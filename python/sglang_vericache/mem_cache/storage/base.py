@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
 if TYPE_CHECKING:
@@ -51,9 +51,6 @@ class StoreStats:
     rejected: int = 0
     errors: int = 0
     throttle_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def check_key(key: str) -> str:
@@ -107,10 +104,6 @@ class KVStore(ABC):
         self.stats.misses += len(values) < len(keys)
         self.stats.bytes_out += sum(len(v) for v in values)
         return values
-
-    def get_one(self, key: str) -> bytes | None:
-        values = self.get([key])
-        return values[0] if values else None
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         """Number of leading keys present (does not count as use)."""

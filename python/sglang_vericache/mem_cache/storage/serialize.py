@@ -57,11 +57,6 @@ def compressed_page_spec(layouts: Sequence[Layout]) -> PageSpec:
     return [tuple(lay.tensors) for lay in layouts]
 
 
-def spec_nbytes(spec: PageSpec) -> int:
-    """Data bytes of one page of this spec (header not counted)."""
-    return sum(s.nbytes() for layer in spec for s in layer)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -31,10 +31,6 @@ class LinkThrottle:
         self._free_at = float("-inf")
         self._lock = threading.Lock()
 
-    def link_seconds(self, nbytes: int) -> float:
-        """Link time of nbytes alone (what a scheduler budgets)."""
-        return nbytes / self.bandwidth
-
     def reserve(self, nbytes: int, started: float) -> float:
         """Books the transfer of nbytes that began at `started`; -> when it is through (no sleep)."""
         with self._lock:
