@@ -140,3 +140,39 @@ def test_server_info_says_whether_it_is_on(checkpoints):
     off = scheduler(checkpoints["llama"], "float32", enable_deterministic_inference=False).ready_message().server_info
     assert on["enable_deterministic_inference"] is True and on["batch_invariant_linear"] is not None
     assert off["enable_deterministic_inference"] is False and off["batch_invariant_linear"] is None
+
+
+@pytest.fixture(scope="module")
+def bf16_verifier(checkpoints):
+    """A bfloat16 verifier (deterministic by default) in a thread of this process, on a loopback port."""
+    import socket
+    import threading
+
+    from sglang_vericache.disagg.verifier import VerifierServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = VerifierServer(ServerArgs(model_path=checkpoints["llama"], dtype="bfloat16", skip_tokenizer_init=True,
+                                       page_size=8, disagg_role="verifier", disagg_port=port))
+    assert server.args.enable_deterministic_inference
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.stop()
+    thread.join(10)
+
+
+@pytest.mark.parametrize("prefill", ["local", "verifier"])
+def test_dual_instance_and_remote_prefill_equal_deterministic_full_in_bfloat16(checkpoints, bf16_verifier, prefill):
+    path = checkpoints["llama"]
+    prompts = random_prompts(TARGET_LENS, seed=5)
+    for sampling in (None, SEEDED):
+        full = outputs(scheduler(path, "bfloat16"), prompts, sampling, crowd=crowd(6))
+        d = scheduler(path, "bfloat16", kv_compressor="int8", speculative_algorithm="VERICACHE",
+                      speculative_num_draft_tokens="6", disagg_role="drafter", disagg_prefill=prefill,
+                      verifier_addr=f"tcp://127.0.0.1:{bf16_verifier.args.disagg_port}")
+        assert d.server_args.enable_deterministic_inference
+        got = outputs(d, prompts, sampling, crowd=crowd(6))
+        assert [ids for ids, _ in got] == [ids for ids, _ in full], f"{prefill} {sampling}"
+        assert [lp for _, lp in got] == [lp for _, lp in full], f"{prefill} {sampling} logprobs"

@@ -8,10 +8,9 @@ For each row, after the penalties of SamplingBatchInfo (sampling/penalizers.py):
   stays); keep tokens with prob >= min_p * max prob. Choose the argmax over the kept set of
   x + gumbel(seed, position, token) (sampling/noise.py), the lowest token id on ties.
 Nothing about a row's choice depends on the other rows: the noise is per (seed, position, token)
-and the kept set is computed per row. Only kept tokens are hashed, which gives the same result
-as hashing the whole vocabulary. (One float caveat: the top-k softmax normalizer is a float32
-sum whose last bit may depend on the batch's largest top_k; it only matters when a row's
-cumulative mass is within rounding of its top_p.)
+and the kept set is computed per row, over a candidate window set by the row's own top_k (so its
+float32 normalizer and cumulative sums are the same whatever shares the batch). Only kept tokens
+are hashed, which gives the same result as hashing the whole vocabulary.
 
 Logprobs are log_softmax of the RAW logits (before penalties, temperature and filtering) at the
 chosen token, i.e. the model's own distribution; top logprobs likewise, sorted descending, lower
@@ -75,10 +74,26 @@ def kept_mask(
 ) -> torch.Tensor:
     """bool[rows, V]: the kept set of each row (see the module docstring)."""
     vocab = x.shape[-1]
+    # Each row's window depends on its own top_k only (not on the batch's largest), so its
+    # normalizer and cumulative sums are computed alike whatever shares the batch.
+    widths = torch.where(top_ks < vocab, top_ks, torch.full_like(top_ks, _WINDOW)).clamp(max=vocab)
+    groups = widths.unique().tolist()
+    if len(groups) == 1:
+        return _kept_mask_window(x, top_ks, top_ps, min_ps, groups[0])
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    for w in groups:
+        rows = (widths == w).nonzero().squeeze(1)
+        keep[rows] = _kept_mask_window(x[rows], top_ks[rows], top_ps[rows], min_ps[rows], w)
+    return keep
+
+
+def _kept_mask_window(
+    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, width: int
+) -> torch.Tensor:
+    """kept_mask for rows whose candidate window is `width` tokens (top_k, or _WINDOW without one)."""
+    vocab = x.shape[-1]
     has_k = top_ks < vocab
-    # All top-k sets fit in the window; rows without top_k get at least _WINDOW candidates.
-    max_k = int(top_ks[has_k].max()) if bool(has_k.any()) else 0
-    window = min(vocab, max_k if bool(has_k.all()) else max(_WINDOW, max_k))
+    window = width
     # topk's values are well defined even where the order of equal values is not.
     vals = torch.topk(x, window, dim=-1, sorted=True).values
     in_k = torch.arange(window, device=x.device).unsqueeze(0) < top_ks.unsqueeze(1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
+from sglang_vericache.managers.io_struct import AbortReq, SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.sampling.sampling_params import SamplingParams
 
@@ -34,9 +34,11 @@ def make_request(
 
 
 def run_to_completion(
-    scheduler: Scheduler, requests: list[TokenizedGenerateReqInput], max_steps: int = 100_000
+    scheduler: Scheduler, requests: list[TokenizedGenerateReqInput], max_steps: int = 100_000,
+    abort_at: dict[int, list[str]] | None = None,
 ) -> dict[str, Result]:
-    """Submits all requests at once and steps until every one has finished."""
+    """Submits all requests at once and steps until every one has finished; abort_at: step -> rids
+    aborted (as a client hanging up) before that step runs."""
     t0 = time.perf_counter()
     results = {r.rid: Result() for r in requests}
     for r in requests:
@@ -44,9 +46,11 @@ def run_to_completion(
         if isinstance(err, SchedulerError):
             raise ValueError(err.message)
     pending = set(results)
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if not pending:
             return results
+        for rid in (abort_at or {}).get(step, ()):
+            scheduler.handle_message(AbortReq(rid=rid))
         scheduler.step()
         outputs, scheduler.outbox = scheduler.outbox, []
         for out in outputs:
