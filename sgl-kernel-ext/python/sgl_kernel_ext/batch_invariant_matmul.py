@@ -1,0 +1,70 @@
+"""Batch-invariant matrix product for the GPU path of --enable-deterministic-inference.
+
+y = x @ w.T (+ bias) with one fixed tiling: every program computes a BLOCK_M x BLOCK_N tile and
+walks K in BLOCK_K steps from 0 upward, accumulating in float32; no split-K, no autotuning, tile
+sizes fixed per dtype. Row r's result therefore depends on row r and the weights only: not on
+how many rows share the call (M), nor on the tile the row lands in (tl.dot computes each output
+row of a tile from that row alone), nor on the device's occupancy. This is the "fixed tiling,
+fixed reduction order over K" recipe of batch-invariant kernels (Thinking Machines, 2025; vLLM's
+VLLM_BATCH_INVARIANT). Reference: torch.nn.functional.linear (equal to rounding, not bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext._common import is_interpreting
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _matmul_kernel(
+    x, w, bias, y, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):  # one pass over K, in order: the reduction order is fixed
+        kk = k0 + rk
+        a = tl.load(x + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if UPCAST:  # the interpreter's bf16 / fp16 dot is wrong: products are exact in float32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           block: tuple[int, int, int] = (BLOCK_M, BLOCK_N, BLOCK_K)) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, batch-invariantly."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, weight {tuple(weight.shape)}")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bm, bn, bk = block
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y, m, n, k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, UPCAST=is_interpreting() or x.dtype == torch.float32,
+        BM=bm, BN=bn, BK=bk,
+    )
+    return y.reshape(*shape[:-1], n)
