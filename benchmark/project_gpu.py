@@ -3,7 +3,7 @@
     .venv/bin/python benchmark/project_gpu.py                    # Llama-3-70B (TP=4), Qwen2.5-32B (TP=1)
     .venv/bin/python benchmark/project_gpu.py --acceptance-json benchmark/results/acceptance.json
 
-Replays the staggering policy of spec/stagger.py -- the same `VerifyReservations` rings, booked
+Replays the staggering policy of speculative/stagger.py -- the same `VerifyReservations` rings, booked
 the same way -- and lock-step VeriCache and full-KV serving, over simulated requests in discrete
 iterations whose times come from a cost model instead of a wall clock. Acceptance per round is
 sampled (seeded) from round traces measured on the bundled model (bench_acceptance.py).
@@ -47,8 +47,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sglang_vericache.spec.reservations import VerifyReservations, split_by_budget
-from sglang_vericache.spec.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
+from sglang_vericache.mem_cache.link import split_by_budget
+from sglang_vericache.speculative.reservations import VerifyReservations
+from sglang_vericache.speculative.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
 
 RESULTS = Path(__file__).parent / "results"
 PAPER_SPEEDUP = (1.92, 2.73)  # the paper, Llama-70B, long-context decoding
@@ -300,7 +301,7 @@ class Simulator:
         r.drafts = 0
 
     def split(self, group: list[SimReq]) -> list[list[SimReq]]:
-        """spec/link.py Link.split: consecutive groups whose committed rows fit the staging area."""
+        """mem_cache/link.py Link.split: consecutive groups whose committed rows fit the staging area."""
         return split_by_budget(group, lambda r: r.committed, self.staging_tokens)
 
     # -- full KV in HBM: one token per request per step
@@ -349,7 +350,7 @@ class Simulator:
                 running = [r for r in running if r.left > 0]
         return st
 
-    # -- VeriCache staggered: spec/stagger.py's step(), with the cost model's iteration time
+    # -- VeriCache staggered: speculative/stagger.py's step(), with the cost model's iteration time
     def run_staggered(self, batch: int, n: int) -> Stats:
         cm, X = self.cm, self.max_draft
         bw = cm.gpu.link_bw

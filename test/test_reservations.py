@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_vericache.spec.reservations import VerifyReservations
+from sglang_vericache.speculative.reservations import VerifyReservations
 
 
 def test_requests_spread_over_iterations_when_the_link_is_the_limit():

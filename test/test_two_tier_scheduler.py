@@ -8,7 +8,7 @@ import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs
-from sglang_vericache.spec.two_tier import TwoTierKV
+from sglang_vericache.mem_cache.two_tier import TwoTierKV
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 from sglang_vericache.testing.tree_invariants import check_invariants

@@ -54,7 +54,7 @@ from sglang_vericache.disagg.messages import (
 from sglang_vericache.disagg.wire import TO_DRAFTER, Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import parse_bytes
-from sglang_vericache.spec.vericache_worker import VeriCacheWorker
+from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req

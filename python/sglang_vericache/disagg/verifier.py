@@ -48,8 +48,8 @@ from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.sampling.sampling_params import InvalidRequest
 from sglang_vericache.server_args import ServerArgs
-from sglang_vericache.spec.acceptance import accepted_length
-from sglang_vericache.spec.vericache_worker import VeriCacheWorker
+from sglang_vericache.speculative.acceptance import accepted_length
+from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 
 logger = logging.getLogger(__name__)
 

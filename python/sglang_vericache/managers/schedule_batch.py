@@ -56,7 +56,7 @@ class Req:
     # Mode-specific counters reported in meta_info (e.g. speculative rounds).
     meta: dict = field(default_factory=dict)
 
-    # Two-tier modes (see spec/two_tier.py): compressed chunk ids of pages [0, C), of which the
+    # Two-tier modes (see mem_cache/two_tier.py): compressed chunk ids of pages [0, C), of which the
     # first comp_prefix_len // page_size are the radix tree's; queries awaiting a fold.
     comp_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     comp_prefix_len: int = 0

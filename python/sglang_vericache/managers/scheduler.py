@@ -65,7 +65,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             )
         else:
             from sglang_vericache.mem_cache.two_tier_radix_cache import TwoTierRadixCache
-            from sglang_vericache.spec.two_tier import TwoTierKV
+            from sglang_vericache.mem_cache.two_tier import TwoTierKV
 
             self.two_tier = TwoTierKV(self)
             if server_args.disagg_prefill == "verifier":  # remote prefix caching: compressed pages alone
@@ -82,7 +82,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
                 self.spec_worker = RemoteVerifyWorker(self)
             elif self.mode == "vericache":
-                from sglang_vericache.spec.vericache_worker import VeriCacheWorker
+                from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 
                 self.spec_worker = VeriCacheWorker(self)
         # KV store (--kv-store, issue 8): prefix pages shared across instances; see prefix_store.py.
@@ -98,11 +98,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.remote_prefill = RemotePrefill(self)
         self.link = self.stagger = None
         if server_args.uses_link:
-            from sglang_vericache.spec.link import Link
+            from sglang_vericache.mem_cache.link import Link
 
             self.link = Link(self)
         if server_args.staggered:
-            from sglang_vericache.spec.stagger import StaggeredVeriCache
+            from sglang_vericache.speculative.stagger import StaggeredVeriCache
 
             self.stagger = StaggeredVeriCache(self)
         self.tokenizer = None

@@ -8,7 +8,8 @@ most `max_tokens` rows (a request longer than that alone is an error caught at a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -16,11 +17,12 @@ from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
 from sglang_vericache.model_executor.forward_batch import StagedVerify
 from sglang_vericache.server_args import parse_bytes
-from sglang_vericache.spec.reservations import split_by_budget
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
     from sglang_vericache.managers.scheduler import Scheduler
+
+T = TypeVar("T")
 
 
 class Link:
@@ -54,3 +56,19 @@ class Link:
     def reset_stats(self) -> None:
         self.engine.reset_stats()
         self.stager.stalls.clear()
+
+
+def split_by_budget(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
+    """Consecutive groups whose sizes sum to at most budget (an item alone may exceed it)."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    used = 0
+    for item in items:
+        if cur and used + size(item) > budget:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(item)
+        used += size(item)
+    if cur:
+        out.append(cur)
+    return out

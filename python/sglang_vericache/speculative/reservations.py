@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -81,19 +77,3 @@ class VerifyReservations:
         if 0 <= off < self.horizon:
             self.slots[off].link_bytes += nbytes
             self.slots[off].staging_tokens += ntokens
-
-
-def split_by_budget(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
-    """Consecutive groups whose sizes sum to at most budget (an item alone may exceed it)."""
-    out: list[list[T]] = []
-    cur: list[T] = []
-    used = 0
-    for item in items:
-        if cur and used + size(item) > budget:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(item)
-        used += size(item)
-    if cur:
-        out.append(cur)
-    return out

@@ -29,7 +29,7 @@ from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.constrained.grammar import vocab_mask
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
-from sglang_vericache.spec.acceptance import DraftLengthPolicy, accepted_length
+from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req

@@ -3,7 +3,7 @@ step while the few whose booked verification iteration has come verify, in ONE m
 the verifiers' exact KV streams over the link layer by layer during that forward.
 
 When a request starts a round it books its verification iteration in the reservation rings
-(spec/reservations.py): the first iteration at least x away (x = its draft length) whose link
+(speculative/reservations.py): the first iteration at least x away (x = its draft length) whose link
 bytes (bandwidth x iteration time) and staging rows still have room for its exact KV; it drafts
 until then. So the link moves roughly one iteration's worth of exact KV per iteration, overlapped
 with the compute of everyone else's drafting, instead of everyone drafting and then everyone
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.model_executor.forward_batch import ForwardMode
-from sglang_vericache.spec.reservations import VerifyReservations
+from sglang_vericache.speculative.reservations import VerifyReservations
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
