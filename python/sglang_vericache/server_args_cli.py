@@ -1,0 +1,196 @@
+"""The command line of ServerArgs: every flag, its default and its help (`ServerArgs.add_cli_args`).
+
+Flag names are SGLang's where the concept is the same; each flag's dest is the ServerArgs field of
+the same name (ServerArgs.from_cli_args reads them back).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sglang_vericache.server_args import (
+    DISAGG_PREFILLS,
+    DISAGG_ROLES,
+    DTYPES,
+    KV_STORE_KINDS,
+    KV_STORE_TIERS,
+    SCHEDULE_POLICIES,
+    ServerArgs,
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs.__dataclass_fields__
+    add = parser.add_argument
+    add("--model-path", type=str, default=None,
+        help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
+             "Default: the bundled code model.")
+    add("--tokenizer-path", type=str, default=None, help="Tokenizer folder (default: --model-path).")
+    add("--load-format", type=str, default=d["load_format"].default,
+        choices=("auto", "safetensors", "dummy"),
+        help="How weights are loaded: auto / safetensors read the folder's *.safetensors; dummy draws "
+             "seeded random weights from config.json alone (--random-seed), to benchmark a model's "
+             "shape without its checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
+    add("--served-model-name", type=str, default=None, help="Model name reported by /v1/models.")
+    add("--skip-tokenizer-init", action="store_true",
+        help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
+    add("--dtype", type=str, default=d["dtype"].default, choices=DTYPES,
+        help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 checkpoints).")
+    add("--kv-cache-dtype", type=str, default=d["kv_cache_dtype"].default, choices=DTYPES,
+        help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
+             "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every mode "
+             "(full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to full.")
+    add("--device", type=str, default=d["device"].default, help="Device to run on: cpu or cuda.")
+    add("--context-length", type=int, default=None,
+        help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")
+    add("--chat-template", type=str, default=None,
+        help="A Jinja chat template file that overrides the tokenizer's own.")
+    add("--host", type=str, default=d["host"].default, help="HTTP host to bind.")
+    add("--port", type=int, default=d["port"].default, help="HTTP port to bind.")
+    add("--api-key", type=str, default=None, help="Require 'Authorization: Bearer KEY' on every request.")
+    add("--log-level", type=str, default=d["log_level"].default, help="Logging level.")
+    add("--stream-interval", type=int, default=d["stream_interval"].default,
+        help="Output tokens per streaming event (the first token and the finish are always sent at once).")
+    add("--page-size", type=int, default=d["page_size"].default, help="Tokens per KV-cache page.")
+    add("--max-total-tokens", type=int, default=None,
+        help="Token slots in the exact KV pool (default: from --device-kv-budget in full mode or "
+             "--host-kv-budget in two-tier modes, else a quarter of free RAM, at most 131072).")
+    add("--max-running-requests", type=int, default=d["max_running_requests"].default,
+        help="Most requests decoding at once.")
+    add("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
+        help="Most prompt tokens one request prefills per forward pass (longer prompts are chunked).")
+    add("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
+        help="Most prompt tokens in one prefill batch.")
+    add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
+    add("--kv-compressor", type=str, default=None,
+        help="KV compressor for the compressed tier: streamingllm, snapkv, pyramidkv, h2o, knorm, kivi2, "
+             "kivi4, int8, fp8. Alone it serves from compressed KV (lossy); with "
+             "--speculative-algorithm VERICACHE it drafts from it and verifies against exact KV.")
+    add("--kv-compression-ratio", type=float, default=d["kv_compression_ratio"].default,
+        help="Compression ratio of token-dropping compressors. Quantizers (kivi2, kivi4, int8, fp8) have "
+             "the ratio of their bit width: with them this flag has no effect (a warning says so).")
+    add("--speculative-algorithm", type=str, default=None,
+        help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV.")
+    add("--speculative-num-draft-tokens", type=str, default=d["speculative_num_draft_tokens"].default,
+        help="Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance.")
+    add("--device-kv-budget", type=str, default=None,
+        help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
+             "keep the compressed tier, exact tails and verification staging here.")
+    add("--host-kv-budget", type=str, default=None,
+        help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB).")
+    add("--link-bandwidth", type=str, default=None,
+        help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
+             "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: unthrottled.")
+    add("--vericache-schedule", type=str, default=d["vericache_schedule"].default,
+        choices=("auto", "lockstep", "staggered"),
+        help="lockstep: all requests draft, then all verify; staggered: each iteration some verify while "
+             "the rest draft, booked against link bandwidth and staging memory; auto: staggered when "
+             "--link-bandwidth is set.")
+    add("--verify-staging-tokens", type=int, default=d["verify_staging_tokens"].default,
+        help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
+             "accelerator; also the longest context a request may have when exact KV is streamed.")
+    add("--kv-offload", action="store_true",
+        help="Baseline: full mode with exact KV in host memory, streamed over the link at every step.")
+    add("--kv-store", type=str, default=d["kv_store"].default, choices=KV_STORE_KINDS,
+        help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
+             "directory on this host), redis (a Redis server), none. Store trouble never fails a request: "
+             "the prefix is recomputed.")
+    add("--kv-store-path", type=str, default=None,
+        help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
+             "/sglang-vericache/kv-store).")
+    add("--kv-store-url", type=str, default=d["kv_store_url"].default,
+        help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or unix://PATH.")
+    add("--kv-store-capacity", type=str, default=None,
+        help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
+             "Default: unlimited.")
+    add("--kv-store-bandwidth", type=str, default=None,
+        help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
+             "between this instance and the store. Default: unthrottled.")
+    add("--kv-store-timeout", type=float, default=d["kv_store_timeout"].default,
+        help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
+             "with a warning, and retried later).")
+    add("--kv-store-tiers", type=str, default=d["kv_store_tiers"].default, choices=KV_STORE_TIERS,
+        help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
+             "both in lossy and VeriCache modes).")
+    add("--disagg-role", type=str, default=d["disagg_role"].default, choices=DISAGG_ROLES,
+        help="Dual-instance VeriCache: 'drafter' serves clients and drafts over compressed KV, verifying on "
+             "the verifier at --verifier-addr; 'verifier' holds exact KV and verifies drafters' runs "
+             "(no HTTP server; listens on --host:--disagg-port). Start the verifier first.")
+    add("--verifier-addr", type=str, default=None,
+        help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT.")
+    add("--disagg-port", type=int, default=None, help="Verifier: the TCP port drafters connect to.")
+    add("--disagg-prefill", type=str, default=d["disagg_prefill"].default, choices=DISAGG_PREFILLS,
+        help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
+             "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the prompt's "
+             "prefix (from its cache or --kv-store, over its slow link); the verifier loads the exact prefix "
+             "from its own store, prefills the rest, and returns the first token and the exact KV of the "
+             "positions past the drafter's compressed pages.")
+    add("--disagg-bandwidth", type=str, default=None,
+        help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
+             "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
+             "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
+    add("--disagg-secret", type=str, default=None,
+        help="Drafter and verifier: a shared secret; every frame between them then carries an HMAC-SHA256 "
+             "under it, and frames without a valid one are dropped. Default: "
+             "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
+             "unauthenticated (the verifier then warns; keep its --host on loopback).")
+    add("--disagg-timeout", type=float, default=d["disagg_timeout"].default,
+        help="Seconds without an answer before the drafter fails the requests the verifier held (and "
+             "without a message before the verifier drops a drafter's sessions).")
+    add("--random-seed", type=int, default=d["random_seed"].default,
+        help="Seed for the server's random choices (seeds of unseeded requests).")
+    add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
+        help="Batch-invariant inference: every token row is computed by the same arithmetic whatever "
+             "shares its batch (fixed-block matrix products, attention reduced in fixed chunks of keys), "
+             "so a prompt's output (tokens and logprobs) is the same alone or under load, chunked or "
+             "not, cache hit or miss, and VeriCache / lossy output equals deterministic full mode's "
+             "bitwise in every dtype. Default: on with --kv-compressor (VeriCache and lossy modes) on "
+             "a CPU, off in full mode; --no-enable-deterministic-inference turns it off.")
+    add("--attention-backend", type=str, default=d["attention_backend"].default,
+        help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
+             "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
+    add("--num-threads", type=int, default=None, help="torch intra-op threads in the scheduler process.")
+    add("--disable-cuda-graph", action="store_true",
+        help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
+             "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
+             "and replayed (batches padded up to the next captured size).")
+    add("--cuda-graph-max-bs", type=int, default=None,
+        help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
+             "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
+    add("--cuda-graph-bs", type=int, nargs="+", default=None,
+        help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs). CUDA "
+             "with --attention-backend triton only (elsewhere: a warning).")
+    add("--tool-call-parser", type=str, default=None,
+        help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...).")
+    add("--reasoning-parser", type=str, default=None,
+        help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
+             "thinking as message.reasoning_content, apart from content (and in stream deltas).")
+    add("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d["tp_size"].default,
+        help="Tensor parallel size. Only 1: this runtime serves a model on one device.")
+    add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d["dp_size"].default,
+        help="Data parallel size. Only 1: run one server per replica.")
+    add("--mem-fraction-static", type=float, default=None,
+        help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
+             "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "
+             "full mode, the compressed tier in two-tier modes). --max-total-tokens and "
+             "--device-kv-budget take precedence. Default: a quarter of the memory free after loading.")
+    add("--trust-remote-code", action="store_true",
+        help="Let transformers run code shipped with the model folder's config or tokenizer.")
+    add("--quantization", type=str, default=None,
+        help="Weight quantization. None is supported here: a value is refused with an error.")
+    add("--schedule-policy", type=str, default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES,
+        help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
+             "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
+    add("--enable-metrics", action="store_true",
+        help="Changes nothing here: Prometheus metrics are always served at /metrics (SGLang serves them "
+             "only with this flag). Accepted so that SGLang command lines run.")
+    add("--log-requests", action="store_true",
+        help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
+             "(tokens, finish reason, text).")
+    add("--watchdog-timeout", type=float, default=None,
+        help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
+             "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
+             "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
+             "of a large model can take minutes.")
+    add("--enable-cache-report", action="store_true",
+        help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
