@@ -4,16 +4,13 @@ Each loop iteration: take new requests, then run either one prefill batch (new r
 the next chunk of a chunked prefill) or one decode step for every running request, then send
 what each request emitted. Memory pressure is met by queueing (admission control), prefix-cache
 eviction, and finally retraction of running requests, never by failing a request.
+The forward passes themselves are in scheduler_forward.py, sampling and outputs in
+scheduler_output_processor.py, /start_profile in scheduler_profiler.py.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import os
-import signal
-import sys
-import time
 from collections import deque
 
 import torch
@@ -33,12 +30,12 @@ from sglang_vericache.managers.io_struct import (
 )
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
+from sglang_vericache.managers.scheduler_forward import SchedulerForwardMixin
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from sglang_vericache.managers.scheduler_profiler import SchedulerProfiler
 from sglang_vericache.managers.stats import SchedulerMetrics
 from sglang_vericache.managers.watchdog import StepWatchdog
 from sglang_vericache.mem_cache.radix_cache import RadixCache
-from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
 from sglang_vericache.sampling.sampling_params import InvalidRequest
 from sglang_vericache.server_args import PortArgs, ServerArgs
@@ -46,7 +43,7 @@ from sglang_vericache.server_args import PortArgs, ServerArgs
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None):
         self.server_args = server_args
         self.model_runner = ModelRunner(server_args)
@@ -374,161 +371,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.tree_cache.cache_finished_req(req)
         self.emit(req)
 
-    # ------------------------------------------------------------------ prefill
-
-    def run_extend(self, batch: list[tuple[Req, int]]) -> None:
-        """Runs one EXTEND pass: each (req, n) computes the next n positions of req.fill_ids."""
-        input_ids, positions, out_loc, logit_rows = [], [], [], []
-        row_base = 0
-        plan = []  # (req, start, n, input-logprob rows, sample row or None)
-        for req, n in batch:
-            start = req.kv_committed_len
-            fill = req.fill_ids
-            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, start : start + n]
-            input_ids.extend(fill[start : start + n])
-            positions.extend(range(start, start + n))
-            out_loc.append(slots)
-            lp_rows = []
-            if req.wants_input_logprobs:
-                # Row for position j predicts token j+1; wanted for j in [start_len, prompt_len-2].
-                lo = max(req.logprob_start_len, start)
-                hi = min(len(req.origin_input_ids) - 1, start + n)
-                lp_rows = list(range(lo, hi))
-            done = start + n == req.prefill_target_len()
-            sample_row = start + n - 1 if done else None
-            rows = sorted(set(lp_rows + ([sample_row] if sample_row is not None else [])))
-            plan.append((req, start, n, lp_rows, sample_row, len(logit_rows), rows))
-            logit_rows.extend(row_base + (j - start) for j in rows)
-            row_base += n
-
-        fb = self.make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
-        fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
-        if self.two_tier is not None and self.two_tier.needs_queries:
-            fb.captured_q = {}
-        logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
-
-        to_sample = []
-        token_row = 0
-        for req, start, n, lp_rows, sample_row, base, rows in plan:
-            req.kv_committed_len = start + n
-            if self.two_tier is not None:
-                if fb.captured_q is not None:
-                    self.two_tier.record_queries(req, fb.captured_q, slice(token_row, token_row + n))
-                token_row += n
-                if not self.two_tier.fold(req):  # admission reserves chunks; this is the safety net
-                    logger.warning("compressed tier full: requeueing %s", req.rid)
-                    if req is self.chunked_req:
-                        self.chunked_req = None
-                    self.retract(req)
-                    self.prefill_adder.back_off()
-                    continue
-            self.metrics.num_prompt_tokens_total += n
-            if lp_rows:
-                self.collect_input_logprobs(req, logits[base : base + len(rows)], rows, lp_rows)
-            if sample_row is None:
-                self.chunked_req = req
-                continue
-            if req is self.chunked_req:
-                self.chunked_req = None
-            req.input_logprobs_done = True
-            if self.prefix_store is not None:  # KV store write-through: once, when the prefill completes
-                self.prefix_store.write_through(req)
-            if req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = {"type": "length", "length": 0}
-                self.release(req)
-                continue
-            self.tree_cache.cache_unfinished_req(req)
-            to_sample.append((req, logits[base + rows.index(sample_row)]))
-        if to_sample:
-            self.sample_and_append([r for r, _ in to_sample], torch.stack([lg for _, lg in to_sample]))
-
-    # ------------------------------------------------------------------ decode
-
-    def make_room(self, new_tokens) -> None:
-        """Ensures every running request can grow by new_tokens(req) exact slots (and, in two-tier
-        modes, fold the pages that fill), evicting cached prefixes, then retracting the newest."""
-        while True:
-            need = sum(self.allocator.pages_needed(r.kv_allocated_len, new_tokens(r)) for r in self.running)
-            free = self.allocator.available_size() // self.page_size
-            if need > free:
-                self.tree_cache.evict((need - free) * self.page_size)
-                free = self.allocator.available_size() // self.page_size
-            ok = need <= free
-            if ok and self.two_tier is not None:
-                ok = self.two_tier.reserve_fold_chunks(self.running, new_tokens)
-            if ok or len(self.running) == 1:
-                return
-            self.retract(self.running.pop())
-
-    def run_decode(self) -> None:
-        if self.stagger is not None:
-            self.stagger.step()
-            return
-        if self.mode == "vericache":
-            self.make_room(lambda r: self.spec_worker.draft_len(r) + 1)
-            self.spec_worker.run_round(list(self.running))
-            return
-        self.make_room(lambda r: 1)
-        if self.mode == "lossy":
-            self.two_tier.lossy_step(list(self.running))
-            return
-        # Naive offload streams each group's whole exact context from the host at every step.
-        for reqs in [list(self.running)] if self.link is None else self.link.split(list(self.running)):
-            self.decode_step(reqs)
-
-    def decode_step(self, reqs: list[Req]) -> None:
-        out_loc = []
-        for req in reqs:
-            slots = self.alloc_slots(req, 1)
-            assert slots is not None, "a lone request outgrew the KV pool; admission should prevent this"
-            out_loc.append(slots)
-        input_ids = [r.output_ids[-1] for r in reqs]
-        positions = [r.seqlen - 1 for r in reqs]
-        batch = [(r, 1) for r in reqs]
-        fb = self.make_forward_batch(ForwardMode.DECODE, batch, input_ids, positions, torch.cat(out_loc))
-        if self.link is not None:
-            fb.staged = self.link.staged(reqs)
-        logits = self.forward(fb, "decode")
-        for req in reqs:
-            req.kv_committed_len += 1
-        self.sample_and_append(reqs, logits)
-
-    # ------------------------------------------------------------------ shared
-
-    def forward(self, fb: ForwardBatch, tag: str) -> torch.Tensor:
-        """One model forward; with a timeline attached, its compute interval is recorded."""
-        if self.timeline is None:
-            return self.model_runner.forward(fb)
-        t0 = time.perf_counter()
-        logits = self.model_runner.forward(fb)
-        self.timeline.append((t0, time.perf_counter(), tag))
-        return logits
-
-    def make_forward_batch(self, mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
-        if prefix_lens is not None:
-            prefix = prefix_lens
-        elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
-            prefix = list(positions)
-        else:
-            prefix = [r.kv_committed_len for r, _ in batch]
-        ext = [n for _, n in batch]
-        seq = [p + n for p, n in zip(prefix, ext)]
-        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        return ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(batch),
-            input_ids=t(input_ids),
-            positions=t(positions),
-            req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
-            seq_lens=t(seq),
-            extend_prefix_lens=t(prefix),
-            extend_seq_lens=t(ext),
-            out_cache_loc=out_loc,
-            seq_lens_cpu=seq,
-            extend_prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=ext,
-        )
-
     def truncate_slots(self, req: Req, new_len: int) -> None:
         """Gives back the whole pages past position new_len-1 (rejected drafts' slots)."""
         ps = self.page_size
@@ -536,30 +378,3 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if req.kv_allocated_len > keep:
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_allocated_len])
         req.kv_allocated_len = new_len
-
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
-    logging.basicConfig(
-        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-        format="[%(asctime)s scheduler] %(message)s",
-    )
-    faulthandler.enable()
-    # The parent's death must not leave this process behind.
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    try:
-        scheduler = Scheduler(server_args, port_args)
-    except Exception as e:  # load errors go to the parent, which prints them
-        logger.exception("scheduler failed to start")
-        pipe_writer.send({"error": f"{type(e).__name__}: {e}"})
-        os._exit(1)
-    pipe_writer.send(scheduler.ready_message())
-    try:
-        scheduler.event_loop()
-    except Exception:
-        logger.exception("scheduler crashed")
-        os._exit(1)

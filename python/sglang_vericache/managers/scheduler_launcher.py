@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import multiprocessing as mp
+import os
+import signal
+import sys
 import time
 
 from sglang_vericache.managers.io_struct import SchedulerReady
 from sglang_vericache.server_args import PortArgs, ServerArgs
 
 SCHEDULER_READY_TIMEOUT_S = 600.0
+logger = logging.getLogger("sglang_vericache.managers.scheduler")  # the scheduler's log lines
 
 
 def _scheduler_main(server_args: ServerArgs, port_args: PortArgs, writer) -> None:
-    # Imported in the child only: the parent never pays for torch and the model code here.
-    from sglang_vericache.managers.scheduler import run_scheduler_process
-
     run_scheduler_process(server_args, port_args, writer)
 
 
@@ -49,3 +52,33 @@ def wait_scheduler_ready(proc: mp.Process, reader) -> SchedulerReady:
             raise RuntimeError(f"the scheduler process exited (code {proc.exitcode}) before it was ready")
     proc.kill()
     raise RuntimeError(f"the scheduler was not ready after {SCHEDULER_READY_TIMEOUT_S:.0f} s")
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="[%(asctime)s scheduler] %(message)s",
+    )
+    faulthandler.enable()
+    # The parent's death must not leave this process behind.
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    try:
+        from sglang_vericache.managers.scheduler import Scheduler  # the child only: torch, the model code
+
+        scheduler = Scheduler(server_args, port_args)
+    except Exception as e:  # load errors go to the parent, which prints them
+        logger.exception("scheduler failed to start")
+        pipe_writer.send({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    pipe_writer.send(scheduler.ready_message())
+    try:
+        scheduler.event_loop()
+    except Exception:
+        logger.exception("scheduler crashed")
+        os._exit(1)
