@@ -1,6 +1,7 @@
 """A user's view of --enable-deterministic-inference: the bundled model served in bfloat16 (its
 default dtype) gives every prompt the same tokens and logprobs when asked alone and when asked
-among 32 concurrent requests, some aborted mid-stream and some malformed; a VeriCache server's
+among 18 concurrent requests, 4 of them aborted mid-stream and 4 malformed (the in-process tests
+check 32 concurrent requests); a VeriCache server's
 output equals the deterministic full-mode server's."""
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import torch
 from sglang_vericache.server_args import default_model_path
 
 pytestmark = pytest.mark.slow
-NEW = 48
+NEW = 24
 
 
 def targets():
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (9, 40, 77, 150, 230, 18)]
+    return [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (9, 40, 77, 150)]
 
 
 def generate(url, ids, **extra):
@@ -34,7 +35,7 @@ def generate(url, ids, **extra):
 
 def aborted_stream(url, ids):
     """Reads two events of a long stream, then hangs up (the server aborts the request)."""
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
             "stream": True}
     with requests.post(url + "/generate", json=body, stream=True, timeout=300) as r:
         for n, _ in enumerate(r.iter_lines()):
@@ -53,8 +54,8 @@ def bad(url, i):
 
 def under_load(url, prompts):
     g = torch.Generator().manual_seed(12)
-    crowd = [torch.randint(10, 4000, (int(n),), generator=g).tolist() for n in torch.randint(5, 300, (18,))]
-    with ThreadPoolExecutor(32) as pool:
+    crowd = [torch.randint(10, 4000, (int(n),), generator=g).tolist() for n in torch.randint(5, 160, (10,))]
+    with ThreadPoolExecutor(24) as pool:
         mine = [pool.submit(generate, url, p) for p in prompts]
         others = [pool.submit(generate, url, c) for c in crowd]
         others += [pool.submit(aborted_stream, url, c) for c in crowd[:4]]
@@ -79,6 +80,6 @@ def test_full_mode_alone_equals_under_load_with_aborts_and_bad_input(full_server
 
 def test_vericache_server_equals_deterministic_full_server(server, full_server):
     vc = server(default_model_path(), "--dtype", "bfloat16", "--kv-compressor", "snapkv",
-                "--speculative-algorithm", "VERICACHE")
+                "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4")
     assert requests.get(vc.base_url + "/server_info", timeout=10).json()["enable_deterministic_inference"] is True
     assert under_load(vc.base_url, targets()) == [generate(full_server.base_url, p) for p in targets()]
