@@ -11,7 +11,7 @@ VeriCache verify pass.
   M = 16; bfloat16 is invariant there as it is). Rows are therefore computed in blocks: the plain
   call where it is invariant, else one call over the rows padded to a multiple of the block, else one
   call per block. `choose_linear_mode` probes the model's own shapes once at start (every batch size
-  up to 33 and larger ones, two offsets, one thread and the current number) and picks the cheapest
+  up to 40 and larger ones up to MAX_CALL_ROWS, two offsets, one thread and the current number) and picks the cheapest
   mode that is invariant on this CPU; if none is, the server refuses to start.
 - Element-wise ops: torch's vectorized loops finish each thread's range with scalar code, and
   float32 silu's scalar and vector paths differ in ~4% of inputs (exp does not); `silu_and_mul`
@@ -22,6 +22,7 @@ VeriCache verify pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -68,10 +69,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (g / (1.0 + torch.exp(-g))).to(x.dtype) * x[..., d:]
 
 
-def _invariant(weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str, int], max_rows: int) -> bool:
-    """Every row computed in batches of every PROBE_ROWS size (up to max_rows), at two offsets, and
-    with one thread, equals the same row computed in the largest batch with the current threads."""
-    rows = [m for m in PROBE_ROWS if m <= max_rows]
+def _invariant(weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str, int]) -> bool:
+    """Every row computed in batches of every PROBE_ROWS size, at two offsets, and with one thread,
+    equals the same row computed in the largest batch with the current threads."""
+    rows = PROBE_ROWS
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows[-1] + 3, weight.shape[1], generator=gen).to(weight.dtype)
     ref = linear(x, weight, bias, mode)
@@ -95,27 +96,15 @@ def _cache_path() -> Path:
 
 def _machine_key() -> str:
     """What a probe's answer depends on besides the shape: the CPU, torch and the thread count."""
-    flags = ""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    import hashlib
+    from sgl_kernel_ext.cpu_attention import cpu_flags
 
-    return hashlib.sha1(f"{flags}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha1(f"{cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
-def _probe(mod: torch.nn.Linear, mode: tuple[str, int], max_rows: int, cache: dict) -> bool:
-    """_invariant, remembered per machine (probes of a large model's shapes take seconds)."""
-    key = f"{_machine_key()}|{tuple(mod.weight.shape)}|{mod.bias is not None}|{mod.weight.dtype}|{mode}|{max_rows}"
-    if key not in cache:
-        cache[key] = _invariant(mod.weight, mod.bias, mode, max_rows)
-    return cache[key]
-
-
-def choose_linear_mode(model: torch.nn.Module, max_rows: int = 512) -> tuple[str, int]:
-    """The first of MODES that is row-invariant for every distinct linear shape of the model, for
-    batches of up to max_rows rows (the largest forward: chunked prefill size or max batch)."""
+def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
+    """The first of MODES that is row-invariant for every distinct linear shape of the model (calls
+    never exceed MAX_CALL_ROWS rows, the largest size probed). Answers are remembered per machine in
+    _cache_path(): probes of a large model's shapes take seconds."""
     shapes = {}
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
@@ -125,11 +114,18 @@ def choose_linear_mode(model: torch.nn.Module, max_rows: int = 512) -> tuple[str
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    size = len(cache)
+    size, machine = len(cache), _machine_key()
+
+    def invariant(mod: torch.nn.Linear, mode: tuple[str, int]) -> bool:
+        key = f"{machine}|{tuple(mod.weight.shape)}|{mod.bias is not None}|{mod.weight.dtype}|{mode}"
+        if key not in cache:
+            cache[key] = _invariant(mod.weight, mod.bias, mode)
+        return cache[key]
+
     try:
         with torch.inference_mode():
             for mode in MODES:
-                if all(_probe(mod, mode, max_rows, cache) for mod in shapes.values()):
+                if all(invariant(mod, mode) for mod in shapes.values()):
                     return mode
                 logger.info("deterministic inference: %s matrix products (%d-row blocks) are not row-invariant "
                             "on this CPU", *mode)
@@ -142,20 +138,18 @@ def choose_linear_mode(model: torch.nn.Module, max_rows: int = 512) -> tuple[str
                 tmp.replace(path)
             except OSError as exc:
                 logger.warning("could not save the batch-invariance probe cache %s: %s", path, exc)
-            logger.info("deterministic inference: %s matrix products (%d-row blocks) are not row-invariant "
-                        "on this CPU", *mode)
     raise RuntimeError(
         "--enable-deterministic-inference: no row-invariant matrix product found on this machine "
         f"(tried {', '.join(f'{k} x{b}' for k, b in MODES)})"
     )
 
 
-def enable_batch_invariance(model: torch.nn.Module, max_rows: int = 512) -> tuple[str, int]:
+def enable_batch_invariance(model: torch.nn.Module) -> tuple[str, int]:
     """Switch the model's linear layers and activations to batch-invariant arithmetic; -> the linear mode."""
     from sglang_vericache.layers.activation import SiluAndMul
     from sglang_vericache.layers.linear import Linear
 
-    mode = choose_linear_mode(model, max_rows)
+    mode = choose_linear_mode(model)
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.batch_invariant_mode = mode

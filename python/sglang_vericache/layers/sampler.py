@@ -88,12 +88,11 @@ def kept_mask(
 
 
 def _kept_mask_window(
-    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, width: int
+    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, window: int
 ) -> torch.Tensor:
-    """kept_mask for rows whose candidate window is `width` tokens (top_k, or _WINDOW without one)."""
+    """kept_mask for rows whose candidate window is `window` tokens (top_k, or _WINDOW without one)."""
     vocab = x.shape[-1]
     has_k = top_ks < vocab
-    window = width
     # topk's values are well defined even where the order of equal values is not.
     vals = torch.topk(x, window, dim=-1, sorted=True).values
     in_k = torch.arange(window, device=x.device).unsqueeze(0) < top_ks.unsqueeze(1)

@@ -51,9 +51,7 @@ class ModelRunner:
         from sglang_vericache.layers.batch_invariant import enable_batch_invariance
 
         cpu_attention.load()
-        args = self.server_args
-        max_rows = max(args.chunked_prefill_size, args.max_prefill_tokens, args.max_running_requests * 33)
-        mode = enable_batch_invariance(self.model, min(max_rows, 512))
+        mode = enable_batch_invariance(self.model)
         logger.info("deterministic inference: on (matrix products: %s, %d-row blocks; fixed-chunk attention)",
                     *mode)
         return mode

@@ -27,7 +27,8 @@ _lock = threading.Lock()
 _loaded = False
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags line from /proc/cpuinfo ('' where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -38,7 +39,7 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    digest = hashlib.sha1(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    digest = hashlib.sha1(_SOURCE.read_bytes() + cpu_flags().encode() + torch.__version__.encode())
     return f"sgl_kernel_ext_cpu_{digest.hexdigest()[:12]}"
 
 

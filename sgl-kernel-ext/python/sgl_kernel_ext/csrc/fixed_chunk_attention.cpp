@@ -59,13 +59,6 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // One work item = (request b, KV head hk, a block of up to QB query rows). A row's keys are taken
 // CHUNK visible keys at a time; the chunk's K is converted to float and stored transposed
 // ([D][CHUNK]) and its V as [CHUNK][Dv], and reused by the next row whose chunk has the same keys
