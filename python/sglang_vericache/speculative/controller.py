@@ -1,0 +1,265 @@
+"""The adaptive VeriCache controller: per request, decode like full mode or run rounds, and where
+its exact KV lives (ARCHITECTURE.md section 11).
+
+Inputs, per running request (RequestView): committed length L, whether its exact KV is resident
+in device memory, its acceptance so far. Outputs, per request (Plan): a draft length x
+(0 = decode exactly as full mode does: a one-row verify, no drafts, which under deterministic
+inference is the same arithmetic as a decode step) and whether it runs this iteration at all
+(a host-tier request whose round would cost the batch more than it gives is parked).
+
+Costs come from StepCostModel: one forward's seconds as a linear function of what it computes,
+
+    t = c0 + c_row * rows + c_exact * exact_keys + c_comp * comp_keys + c_qk * key_rows
+
+(c0: the weights, read once per forward; c_row: a row's matrix products; c_exact / c_comp: one
+exact / compressed key's KV read, once per request and forward however many of its rows attend
+to it; c_qk: one query row against one key, all layers), fitted by least squares to the
+forwards measured so far, pulled towards a prior made from the model's sizes until there are
+enough of them. The link moves E_r = kv_bytes * L_r per round of a host-tier request.
+
+The decision (staggered iterations: every running request adds rows to ONE forward per
+iteration): a request with plan x emits e = (1 + A(x)) / (x + 1) tokens per iteration on average
+(x draft iterations and one verify, A(x) accepted drafts expected) and adds
+d = (x * draft_row + verify_rows(x)) / (x + 1) seconds of forward time per iteration;
+decode (x = 0, resident only) emits e = 1 and adds d = c_row + (c_exact + c_qk) * L. A verify reads
+the exact KV once for its x + 1 rows; that sharing (memory-bound attention) is where a round
+saves over x + 1 decode steps, and the fit says how much of it this machine has. Throughput is
+sum(e) / max(c0 + sum(d), link_seconds) with link_seconds = sum over host-tier rounds of
+E_r / ((x + 1) * bandwidth). The controller maximizes it (Dinkelbach's method over the
+per-request choices, with a price on link seconds searched over a small grid), so a round is
+chosen only where it beats decoding, and a host-tier request runs only while it adds throughput.
+Acceptance: a geometric model (each draft right with probability p, estimated per request from
+its rounds, starting from a prior), A(x) = p (1 - p^x) / (1 - p).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 4.0  # the prior counts as this many forwards of evidence
+FIT_WINDOW = 256  # forwards kept for the fit
+PRIOR_ACCEPT = 0.8
+ACCEPT_PRIOR_ROUNDS = 2.0  # the acceptance prior counts as this many rounds
+
+
+@dataclass
+class ForwardSample:
+    rows: int
+    exact_keys: int  # exact keys read: per request of the forward, the exact keys its rows see
+    comp_keys: int  # compressed keys read, likewise
+    key_rows: int  # query-key products: sum over rows of the keys (exact or compressed) each sees
+    seconds: float
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.rows), float(self.exact_keys), float(self.comp_keys), float(self.key_rows))
+
+
+class StepCostModel:
+    """Forward seconds as c0 + c_row*rows + c_exact*exact_keys + c_comp*comp_keys + c_qk*key_rows:
+    a ridge fit to the last FIT_WINDOW forwards, centred on the prior (in units of the prior)."""
+
+    def __init__(self, prior: tuple[float, ...]):
+        if any(p <= 0 for p in prior):
+            raise ValueError(f"cost prior must be positive, got {prior}")
+        self.prior = tuple(float(p) for p in prior)
+        self.samples: deque[ForwardSample] = deque(maxlen=FIT_WINDOW)
+        self.coef = self.prior
+
+    @classmethod
+    def from_sizes(cls, weight_bytes: float, matmul_flops_per_row: float, kv_bytes_per_token: float,
+                   comp_bytes_per_token: float, qk_flops_per_key: float, mem_bandwidth: float,
+                   flops: float) -> StepCostModel:
+        """The prior: weights and KV read at `mem_bandwidth`, products at `flops`."""
+        return cls((weight_bytes / mem_bandwidth, matmul_flops_per_row / flops, kv_bytes_per_token / mem_bandwidth,
+                    comp_bytes_per_token / mem_bandwidth, qk_flops_per_key / flops))
+
+    def observe(self, sample: ForwardSample) -> None:
+        if sample.seconds > 0 and sample.rows > 0:
+            self.samples.append(sample)
+            self.coef = self._fit()
+
+    def _fit(self) -> tuple[float, ...]:
+        # Work in units of the prior: x_i = c_i / prior_i.
+        n = len(self.prior)
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        for s in self.samples:
+            f = [fi * pi for fi, pi in zip(s.features(), self.prior)]
+            for i in range(n):
+                b[i] += f[i] * s.seconds
+                for j in range(n):
+                    a[i][j] += f[i] * f[j]
+        # Ridge towards x = 1: each coefficient's prior weighs as much as k forwards of that
+        # coefficient's typical feature size, k = PRIOR_WEIGHT at first and fading as forwards
+        # are measured (a feature never seen keeps its prior).
+        count = max(len(self.samples), 1)
+        k = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + len(self.samples))
+        for i in range(n):
+            lam = k * max(a[i][i] / count, 1e-30)
+            a[i][i] += lam
+            b[i] += lam
+        x = _solve(a, b)
+        return tuple(max(xi, 0.0) * pi for xi, pi in zip(x, self.prior))
+
+    def seconds(self, rows: float, exact_keys: float, comp_keys: float, key_rows: float) -> float:
+        c0, c_row, c_exact, c_comp, c_qk = self.coef
+        return c0 + c_row * rows + c_exact * exact_keys + c_comp * comp_keys + c_qk * key_rows
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the small normal equations)."""
+    n = len(b)
+    m = [row[:] + [bi] for row, bi in zip(a, b)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 1.0 for i in range(n)]
+
+
+@dataclass
+class Acceptance:
+    """Per request: drafts accepted and rounds that ended in a rejection (geometric MLE)."""
+
+    accepted: float = 0.0
+    rejected_rounds: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.rejected_rounds += 1 if accepted < drafted else 0
+
+    def rate(self) -> float:
+        acc = self.accepted + PRIOR_ACCEPT * ACCEPT_PRIOR_ROUNDS / (1 - PRIOR_ACCEPT)
+        rej = self.rejected_rounds + ACCEPT_PRIOR_ROUNDS
+        return acc / (acc + rej)
+
+
+def expected_accepted(p: float, x: int) -> float:
+    """E[accepted drafts] of a round of x drafts, each right with probability p until the first miss."""
+    if x <= 0:
+        return 0.0
+    if p >= 1.0:
+        return float(x)
+    return p * (1 - p**x) / (1 - p)
+
+
+@dataclass
+class RequestView:
+    """What the controller needs of one running request."""
+
+    committed: int  # exact KV positions (the verify pass reads them)
+    resident: bool  # exact KV in device memory (no link at verification)
+    accept_rate: float
+    comp_keys: int  # keys a draft row reads from the compressed tier (plus the exact tail)
+    max_draft: int  # longest round this request may draft now (its budget and max_new_tokens)
+
+
+@dataclass
+class Plan:
+    run: bool
+    draft_len: int  # 0: decode like full mode
+    tokens_per_iter: float = 0.0
+    seconds_per_iter: float = 0.0
+    link_seconds_per_iter: float = 0.0
+
+
+@dataclass
+class Decision:
+    plans: list[Plan]
+    throughput: float  # predicted tokens/s of the batch
+    iteration_s: float
+    link_bound: bool = False
+    options: dict = field(default_factory=dict)
+
+
+DRAFT_LENGTHS = (2, 4, 6, 8, 12, 16, 24, 30)
+
+
+class VeriCacheController:
+    def __init__(self, cost: StepCostModel, kv_bytes_per_token: float, link_bandwidth: float | None,
+                 draft_lengths: tuple[int, ...] = DRAFT_LENGTHS):
+        self.cost = cost
+        self.kv_bytes = kv_bytes_per_token
+        self.bandwidth = link_bandwidth  # None: unthrottled
+        self.draft_lengths = draft_lengths
+
+    def options(self, r: RequestView) -> list[Plan]:
+        """Every plan r may take: decode (resident only), rounds of each draft length, and (host
+        tier) waiting."""
+        c0, c_row, c_exact, c_comp, c_qk = self.cost.coef
+        out = []
+        if r.resident:
+            out.append(Plan(True, 0, 1.0, c_row + (c_exact + c_qk) * r.committed, 0.0))
+        else:
+            out.append(Plan(False, 0))
+        link_round = 0.0
+        if not r.resident and self.bandwidth is not None:
+            link_round = self.kv_bytes * r.committed / self.bandwidth
+        draft_row = c_row + (c_comp + c_qk) * r.comp_keys
+        for x in self.draft_lengths:
+            if x > r.max_draft:
+                break
+            keys = r.committed + x / 2  # a verify row sees the committed keys and the rows before it
+            verify = (x + 1) * (c_row + c_qk * keys) + c_exact * keys
+            e = (1 + expected_accepted(r.accept_rate, x)) / (x + 1)
+            out.append(Plan(True, x, e, (x * draft_row + verify) / (x + 1), link_round / (x + 1)))
+        return out
+
+    def decide(self, views: list[RequestView]) -> Decision:
+        c0 = self.cost.coef[0]
+        opts = [self.options(v) for v in views]
+        best: Decision | None = None
+        prices = (0.0,) if self.bandwidth is None else (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+        for mu in prices:
+            lam = 0.0
+            for _ in range(20):  # Dinkelbach: lam converges to the best ratio at this link price
+                pick = [max(o, key=lambda p: p.tokens_per_iter - lam * (p.seconds_per_iter + mu * p.link_seconds_per_iter))
+                        for o in opts]
+                d = self._evaluate(pick, c0)
+                if d.throughput <= lam * (1 + 1e-9):
+                    break
+                lam = d.throughput
+            if best is None or d.throughput > best.throughput * (1 + 1e-9):
+                best = d
+        return best
+
+    @staticmethod
+    def _evaluate(plans: list[Plan], c0: float) -> Decision:
+        tokens = sum(p.tokens_per_iter for p in plans if p.run)
+        compute = c0 + sum(p.seconds_per_iter for p in plans if p.run)
+        link = sum(p.link_seconds_per_iter for p in plans if p.run)
+        t = max(compute, link)
+        return Decision(plans=plans, throughput=tokens / t if t > 0 else 0.0, iteration_s=t,
+                        link_bound=link > compute)
+
+
+def residency(exact_bytes: list[int], free_bytes: float) -> list[bool]:
+    """Which requests keep exact KV in device memory: in the given (admission) order while the
+    device budget left after the compressed tier, draft scratch and staging holds them. A stable
+    rule: a request does not lose its place to a later one."""
+    out, used = [], 0
+    for b in exact_bytes:
+        fits = used + b <= free_bytes
+        out.append(fits)
+        if fits:
+            used += b
+    return out
+
+
+def plan_summary(d: Decision) -> str:
+    n = len(d.plans)
+    dec = sum(1 for p in d.plans if p.run and p.draft_len == 0)
+    rounds = sum(1 for p in d.plans if p.run and p.draft_len > 0)
+    xs = [p.draft_len for p in d.plans if p.run and p.draft_len > 0]
+    mean_x = sum(xs) / len(xs) if xs else 0
+    return (f"{n} requests: {dec} decode, {rounds} rounds (mean x {mean_x:.1f}), {n - dec - rounds} waiting; "
+            f"predicted {d.throughput:.1f} tok/s, iteration {d.iteration_s * 1e3:.1f} ms"
+            + (" (link-bound)" if d.link_bound else ""))
+

@@ -1,0 +1,118 @@
+"""The adaptive controller's cost model and decisions (speculative/controller.py): pure arithmetic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_vericache.speculative.controller import (
+    Acceptance,
+    ForwardSample,
+    RequestView,
+    StepCostModel,
+    VeriCacheController,
+    expected_accepted,
+    residency,
+)
+
+
+def test_expected_accepted_is_the_geometric_sum():
+    assert expected_accepted(0.5, 3) == 0.5 + 0.25 + 0.125
+    assert expected_accepted(1.0, 7) == 7.0
+    assert expected_accepted(0.9, 0) == 0.0
+
+
+def test_acceptance_starts_at_the_prior_and_follows_rounds():
+    a = Acceptance()
+    assert a.rate() == pytest.approx(0.8, abs=1e-15)
+    for _ in range(100):
+        a.update(drafted=8, accepted=1)  # one right, then a miss: p = 1/2 in the limit
+    assert a.rate() == pytest.approx((100 + 8) / (100 + 8 + 100 + 2), abs=1e-15)
+
+
+def test_residency_keeps_admission_order_and_skips_what_does_not_fit():
+    assert residency([10, 10, 10], 25) == [True, True, False]
+    assert residency([10, 30, 5], 20) == [True, False, True]
+    assert residency([], 0) == []
+
+
+def sample(rng, true) -> ForwardSample:
+    s = ForwardSample(rng.randint(1, 64), rng.randint(0, 10**6), rng.randint(0, 10**6), 0, 0.0)
+    s.key_rows = rng.randint(s.exact_keys + s.comp_keys, 8 * (s.exact_keys + s.comp_keys) + 1)
+    s.seconds = true[0] + sum(t * f for t, f in zip(true[1:], s.features()[1:]))
+    return s
+
+
+def test_fit_with_the_true_prior_returns_it():
+    true = (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
+    cm = StepCostModel(true)
+    rng = random.Random(0)
+    for _ in range(50):
+        cm.observe(sample(rng, true))
+    for got, want in zip(cm.coef, true):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_fit_moves_from_a_wrong_prior_to_the_measurements():
+    true = (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
+    cm = StepCostModel((1e-2, 1e-5, 1e-7, 1e-7, 1e-8))
+    rng = random.Random(1)
+    for _ in range(256):
+        cm.observe(sample(rng, true))
+    cases = ((1, 1000, 0, 1000), (16, 16 * 1600, 0, 16 * 1600), (16, 0, 16 * 400, 16 * 400), (9, 1600, 0, 9 * 1600))
+    pred = [cm.seconds(*c) for c in cases]
+    want = [true[0] + sum(t * f for t, f in zip(true[1:], c)) for c in cases]
+    for p, w in zip(pred, want):
+        assert p == pytest.approx(w, rel=0.05)
+
+
+def view(committed=1600, resident=True, rate=0.8, comp=400, max_draft=30):
+    return RequestView(committed=committed, resident=resident, accept_rate=rate, comp_keys=comp, max_draft=max_draft)
+
+
+def test_decode_when_rows_are_expensive_and_attention_cheap():
+    # Matrix products dominate: a round spends x+1 rows' products per x draft rows + verify rows, for
+    # fewer tokens per iteration than decoding.
+    cm = StepCostModel((1e-4, 1e-3, 1e-10, 1e-10, 1e-10))
+    d = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=None).decide([view()] * 4)
+    assert [p.draft_len for p in d.plans] == [0, 0, 0, 0]
+    assert all(p.run for p in d.plans)
+
+
+def test_rounds_when_exact_attention_dominates():
+    # Reading KV dominates (memory-bound attention): a verify reads it once for x + 1 rows.
+    cm = StepCostModel((1e-4, 1e-6, 1e-6, 1e-7, 1e-9))
+    d = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=None).decide([view(rate=0.9)] * 4)
+    assert all(p.run and p.draft_len > 0 for p in d.plans)
+    # And the chosen plan beats decoding everyone: 4 tokens per c0 + 4 * (row + 1600 keys).
+    decode_tps = 4 / (1e-4 + 4 * (1e-6 + (1e-6 + 1e-9) * 1600))
+    assert d.throughput > decode_tps
+
+
+def test_host_requests_wait_when_the_link_cannot_pay():
+    # Resident requests decode at ~c0 + 4 rows; a host-tier round moves 1600 * 8 KB over 1 MB/s.
+    cm = StepCostModel((5e-3, 1e-4, 1e-9, 1e-9, 1e-10))
+    ctl = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=1e6)
+    d = ctl.decide([view()] * 4 + [view(resident=False)] * 12)
+    assert [p.run for p in d.plans] == [True] * 4 + [False] * 12
+    assert [p.draft_len for p in d.plans[:4]] == [0] * 4
+
+
+def test_host_requests_run_when_nothing_is_resident():
+    cm = StepCostModel((5e-3, 1e-4, 1e-9, 1e-9, 1e-10))
+    ctl = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=1e6)
+    d = ctl.decide([view(resident=False)] * 4)
+    assert all(p.run and p.draft_len > 0 for p in d.plans)
+    assert d.link_bound
+
+
+def test_draft_length_respects_the_request_budget():
+    cm = StepCostModel((1e-4, 1e-6, 1e-6, 1e-7, 1e-9))
+    d = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=None).decide([view(rate=0.99, max_draft=5)])
+    assert d.plans[0].draft_len == 4  # the longest listed length <= 5
+
+
+def test_bad_prior_is_refused():
+    with pytest.raises(ValueError, match="cost prior must be positive"):
+        StepCostModel((1.0, 0.0, 1.0, 1.0, 1.0))
