@@ -185,6 +185,63 @@ def test_mixed_batch_equals_its_groups_run_apart(runner):
                    new_slots(runner, ref_staged_reqs, n_new))
 
 
+RESIDENT_PROMPTS = [tokens(13, 35), tokens(6, 36), tokens(9, 37)]
+RESIDENT_NEW = [tokens(4, 43), tokens(1, 44), tokens(2, 45)]  # verifying 3 drafts, a decode row, 1 draft
+
+
+def three_groups(runner, cpool, draft_pool, together: bool):
+    """Draft rows, resident rows (context in the pool) and staged rows: one MIXED forward, or three."""
+    draft_fb, _ = draft_group(runner, cpool, draft_pool)
+    res_reqs = prefill(runner, RESIDENT_PROMPTS)
+    res_rows = torch.arange(sum(len(x) for x in RESIDENT_NEW))
+    staged_reqs = prefill(runner, STAGED_PROMPTS)
+    st_rows = torch.arange(sum(len(x) for x in STAGED_NEW))
+    if together:
+        res_fb = prepare_forward_batch(runner, res_reqs, RESIDENT_NEW, VERIFY_MODE, res_rows)
+        staged_fb = prepare_staged_batch(runner, runner.kv_stager, staged_reqs, STAGED_NEW, VERIFY_MODE, st_rows)
+        fb = mixed_batch(draft_fb, staged_fb, res_fb)
+        assert fb.num_draft == 2 and fb.num_resident == 3 and fb.batch_size == 7
+        return runner.forward(fb), res_reqs
+    out = [runner.forward(draft_fb),
+           runner.forward(prepare_forward_batch(runner, res_reqs, RESIDENT_NEW, VERIFY_MODE, res_rows)),
+           runner.forward(prepare_staged_batch(runner, runner.kv_stager, staged_reqs, STAGED_NEW, VERIFY_MODE,
+                                               st_rows))]
+    return torch.cat(out), res_reqs
+
+
+def test_mixed_batch_with_resident_rows_equals_its_groups_run_apart(runner):
+    """Resident rows (a request whose exact KV stays in device memory verifies, or decodes, over the
+    pool: no link) sit between the draft rows and the staged rows of one MIXED forward."""
+    cpool = make_compressed_pool(runner, "streamingllm", ratio=1, num_chunks=64)
+    draft_pool = DraftPool(runner, num_slots=16)
+    ref, ref_res = three_groups(runner, cpool, draft_pool, together=False)
+    eng = runner.transfer_engine
+    eng.reset_stats()
+    got, res = three_groups(runner, cpool, draft_pool, together=True)
+    assert got.shape == ref.shape == (2 + 7 + 8, ref.shape[1])
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    # only the staged requests' prefixes crossed the link
+    assert eng.bytes_total == runner.kv_stager.transfer_bytes(sum(len(p) for p in STAGED_PROMPTS))
+    n_new = [len(x) for x in RESIDENT_NEW]
+    assert_same_kv(runner.token_to_kv_pool, new_slots(runner, res, n_new), new_slots(runner, ref_res, n_new))
+
+
+def test_mixed_batch_resident_rows_are_bitwise_their_own_forward_under_deterministic_inference(tmp_path):
+    path = make_random_checkpoint("llama", str(tmp_path / "llama"))
+    args = ServerArgs(model_path=path, dtype="bfloat16", page_size=PAGE, max_total_tokens=2048,
+                      max_running_requests=40, link_bandwidth="50MB", enable_deterministic_inference=True)
+    r = ModelRunner(args)
+    r.init_kv_stager(max_tokens=MAX_STAGED)
+    try:
+        cpool = make_compressed_pool(r, "streamingllm", ratio=1, num_chunks=64)
+        draft_pool = DraftPool(r, num_slots=16)
+        ref, _ = three_groups(r, cpool, draft_pool, together=False)
+        got, _ = three_groups(r, cpool, draft_pool, together=True)
+        assert torch.equal(got, ref)
+    finally:
+        r.transfer_engine.shutdown()
+
+
 def test_mixed_batch_default_logits_rows_are_each_requests_last_token(runner):
     """logits_indices None -> row i = request i's last token: draft rows, then each staged request's last."""
     cpool = make_compressed_pool(runner, "streamingllm", ratio=1, num_chunks=32)
@@ -226,7 +283,7 @@ def test_mixed_batch_groups_must_cover_the_batch(runner):
     fb = mixed_batch(draft_fb, prepare_staged_batch(runner, runner.kv_stager, prefill(runner, STAGED_PROMPTS),
                                                     STAGED_NEW))
     fb.staged.offsets, fb.staged.prefix_lens = fb.staged.offsets[:1], fb.staged.prefix_lens[:1]
-    with pytest.raises(ValueError, match="2 draft \\+ 1 staged requests != batch size 4"):
+    with pytest.raises(ValueError, match="2 draft \\+ 0 resident \\+ 1 staged requests != batch size 4"):
         runner.forward(fb)
     assert runner.kv_stager._active is None
 

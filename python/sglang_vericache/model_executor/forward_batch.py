@@ -13,7 +13,9 @@ per request, whose context is not `req_to_token[:, :seq_len]` but what `draft_ct
 Staged rows (`staged` set: streamed verification, the naive-offload baseline) are the other
 exception: their context positions [0, extend_prefix_lens[i]) are read from a StagedKV (exact KV
 streamed from the host pool layer by layer), not from the pool; their new tokens' KV is still
-written to the pool at out_cache_loc. MIXED = DRAFT_DECODE rows first, then staged rows.
+written to the pool at out_cache_loc. MIXED = DRAFT_DECODE rows first, then `num_resident`
+requests whose context is in the pool (as TARGET_VERIFY: verify or decode rows of requests whose
+exact KV is resident), then staged rows.
 """
 
 from __future__ import annotations
@@ -160,6 +162,8 @@ class ForwardBatch:
     # Staged rows (all rows of a DECODE / TARGET_VERIFY / EXTEND batch, or the rows after the draft
     # rows of MIXED): their context streams from a StagedKV (see StagedVerify).
     staged: StagedVerify | None = None
+    # MIXED: requests after the draft rows whose context is read from the pool (resident exact KV).
+    num_resident: int = 0
     # When a dict, each attention layer stores its post-RoPE queries [num_tokens, H_q*D] under its
     # layer id (query-scored compressors need them to compress a chunk).
     captured_q: dict | None = None

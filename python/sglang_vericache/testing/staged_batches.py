@@ -40,25 +40,37 @@ def prepare_staged_batch(
     return fb
 
 
-def mixed_batch(draft_fb: ForwardBatch, staged_fb: ForwardBatch) -> ForwardBatch:
-    """One MIXED batch: draft_fb's DRAFT_DECODE rows first, then staged_fb's staged rows.
-    logits_indices: None (each request's last token: draft rows, then each staged request's last),
-    or staged_fb's rows shifted past the draft rows, after each draft row."""
-    assert draft_fb.forward_mode.is_draft_decode() and staged_fb.staged is not None
-    nd = draft_fb.batch_size
+def mixed_batch(draft_fb: ForwardBatch | None, staged_fb: ForwardBatch | None,
+                resident_fb: ForwardBatch | None = None) -> ForwardBatch:
+    """One MIXED batch: draft_fb's DRAFT_DECODE rows first, then resident_fb's rows (context in the
+    pool: a TARGET_VERIFY / DECODE batch), then staged_fb's staged rows; any part may be None.
+    logits_indices: None (each request's last token), or every token of the verifying parts shifted
+    past the draft rows, after each draft row."""
+    assert draft_fb is None or draft_fb.forward_mode.is_draft_decode()
+    assert staged_fb is None or staged_fb.staged is not None
+    assert resident_fb is None or resident_fb.staged is None
+    parts = [fb for fb in (draft_fb, resident_fb, staged_fb) if fb is not None]
+    nd = 0 if draft_fb is None else draft_fb.batch_size
+    verifying = [fb for fb in (resident_fb, staged_fb) if fb is not None]
     logits_indices = None
-    if staged_fb.logits_indices is not None:
-        logits_indices = torch.cat([torch.arange(nd), staged_fb.logits_indices + nd])
+    if verifying and all(fb.logits_indices is not None for fb in verifying):
+        idx, base = [torch.arange(nd)], nd
+        for fb in verifying:
+            idx.append(fb.logits_indices + base)
+            base += fb.num_tokens
+        logits_indices = torch.cat(idx)
     cat = dict(
-        (f, torch.cat([getattr(draft_fb, f), getattr(staged_fb, f)]))
+        (f, torch.cat([getattr(fb, f) for fb in parts]))
         for f in ("input_ids", "positions", "req_pool_indices", "seq_lens", "extend_prefix_lens",
                   "extend_seq_lens", "out_cache_loc")
     )
     lists = dict(
-        (f, list(getattr(draft_fb, f)) + list(getattr(staged_fb, f)))
+        (f, [x for fb in parts for x in getattr(fb, f)])
         for f in ("seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu")
     )
     return dataclasses.replace(
-        staged_fb, forward_mode=ForwardMode.MIXED, batch_size=nd + staged_fb.batch_size,
-        draft_ctx=draft_fb.draft_ctx, logits_indices=logits_indices, **cat, **lists,
+        parts[-1], forward_mode=ForwardMode.MIXED, batch_size=sum(fb.batch_size for fb in parts),
+        draft_ctx=None if draft_fb is None else draft_fb.draft_ctx, logits_indices=logits_indices,
+        staged=None if staged_fb is None else staged_fb.staged,
+        num_resident=0 if resident_fb is None else resident_fb.batch_size, **cat, **lists,
     )

@@ -24,7 +24,9 @@ padded layout above, but each request's keys are assembled as [its rows of the S
 tokens' K/V] (the same [B, S] order as the pool layout, so results match it exactly); layer l's
 StagedKV rows are taken right before its attention and released as soon as they are copied out.
 A batch with staged rows, or a MIXED batch, gets MixedMetadata: draft rows first (DraftMetadata),
-then staged rows; linear layers see all tokens at once, attention runs per group.
+then resident rows (ForwardBatch.num_resident: verify or decode rows whose exact KV is read from the
+pool, the padded layout), then staged rows; linear layers see all tokens at once, attention runs per
+group.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ class PaddedMetadata:
 
 @dataclass
 class MixedMetadata:
-    """Rows [0, num_draft) are draft rows (one token each), the remaining tokens staged rows."""
+    """Requests [0, num_draft) are draft rows (one token each), the next num_resident requests read
+    their context from the pool (padded layout), the rest are staged rows."""
 
     num_draft: int
     draft: DraftMetadata | None
     staged: StagedMetadata | None
+    resident: PaddedMetadata | None = None
+    resident_tokens: int = 0  # token rows of the resident requests
 
 
 @dataclass
@@ -149,28 +154,30 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             self.forward_metadata = self._ragged(fb, req_to_token, seq_lens, ext_lens, prefix_lens)
 
-    def _padded(self, fb, req_to_token, ext_lens, max_q, max_s) -> PaddedMetadata:
+    def _padded(self, fb, req_to_token, ext_lens, max_q, max_s, rows: slice = slice(None)) -> PaddedMetadata:
+        """The padded layout of requests `rows` of fb (all of them by default)."""
         dev = fb.input_ids.device
-        seq_lens = fb.seq_lens.to(dev)
-        kv_index = req_to_token[fb.req_pool_indices, :max_s]
+        seq_lens = fb.seq_lens[rows].to(dev)
+        seq_cpu = (fb.seq_lens_cpu or fb.seq_lens.tolist())[rows]
+        prefix_lens = (fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist())[rows]
+        kv_index = req_to_token[fb.req_pool_indices[rows], :max_s]
         in_range = torch.arange(max_s, device=dev)[None, :] < seq_lens[:, None]
         kv_index = torch.where(in_range, kv_index, torch.zeros_like(kv_index))
-        if fb.forward_mode.is_decode() and min(fb.seq_lens_cpu or fb.seq_lens.tolist()) == max_s:
+        if fb.forward_mode.is_decode() and min(seq_cpu) == max_s:
             allowed = None  # every request sees all max_s keys
         else:
-            allowed = _causal_mask(fb.extend_prefix_lens.to(dev), seq_lens, max_q, max_s)
+            allowed = _causal_mask(fb.extend_prefix_lens[rows].to(dev), seq_lens, max_q, max_s)
         q_index = out_index = None
         if any(e != max_q for e in ext_lens):
-            ext = fb.extend_seq_lens.to(dev)
+            ext = fb.extend_seq_lens[rows].to(dev)
             starts = torch.cumsum(ext, 0) - ext
             i = torch.arange(max_q, device=dev)[None, :]
             valid = i < ext[:, None]  # [B, Lq]
             q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
             out_index = valid.flatten().nonzero().squeeze(1)
-        prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
         causal = (allowed is not None and q_index is None and max_q == max_s and not any(prefix_lens)
-                  and min(fb.seq_lens_cpu or fb.seq_lens.tolist()) == max_s)
-        return PaddedMetadata(fb.batch_size, max_q, kv_index, allowed, q_index, out_index, causal=causal)
+                  and min(seq_cpu) == max_s)
+        return PaddedMetadata(len(seq_cpu), max_q, kv_index, allowed, q_index, out_index, causal=causal)
 
     def _mixed(self, fb: ForwardBatch) -> MixedMetadata:
         nd, bs, dev = fb.num_draft, fb.batch_size, fb.input_ids.device
@@ -181,16 +188,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         if any(e != 1 for e in ext_lens[:nd]):
             raise ValueError("draft rows of a MIXED batch take exactly one new token each")
         n_staged = 0 if fb.staged is None else fb.staged.batch_size
-        if nd + n_staged != bs:
-            raise ValueError(f"{nd} draft + {n_staged} staged requests != batch size {bs}")
+        nr = fb.num_resident
+        if nd + nr + n_staged != bs:
+            raise ValueError(f"{nd} draft + {nr} resident + {n_staged} staged requests != batch size {bs}")
+        r2t = fb.req_to_token_pool.req_to_token
         draft = None
         if nd:
-            r2t = fb.req_to_token_pool.req_to_token
             draft = draft_metadata_for(fb.draft_ctx, fb.req_pool_indices[:nd], r2t, dev)
+        resident = None
+        if nr:
+            rows = slice(nd, nd + nr)
+            seq = (fb.seq_lens_cpu or fb.seq_lens.tolist())[rows]
+            resident = self._padded(fb, r2t, ext_lens[rows], max(ext_lens[rows]), max(seq), rows)
         staged = None
         if n_staged:
-            staged = build_staged_metadata(fb.staged, ext_lens[nd:], prefix_lens[nd:], dev)
-        return MixedMetadata(nd, draft, staged)
+            staged = build_staged_metadata(fb.staged, ext_lens[nd + nr:], prefix_lens[nd + nr:], dev)
+        return MixedMetadata(nd, draft, staged, resident, sum(ext_lens[nd : nd + nr]))
 
     def _ragged(self, fb, req_to_token, seq_lens, ext_lens, prefix_lens) -> RaggedMetadata:
         dev = fb.input_ids.device
@@ -249,16 +262,34 @@ class TorchNativeAttnBackend(AttentionBackend):
         return torch.cat(outs, 0)
 
     def _forward_mixed(self, q, k, v, layer, fb: ForwardBatch, md: MixedMetadata, save_kv_cache: bool):
-        """Draft rows first (their attention overlaps the staged layer's copy), then staged rows."""
+        """Draft rows first, then resident rows (their attention overlaps the staged layer's copy),
+        then staged rows."""
         nd, outs = md.num_draft, []
         if md.draft is not None:
             outs.append(self._forward_draft(q[:nd], k[:nd], v[:nd], layer, fb.draft_ctx, fb.token_to_kv_pool,
                                             fb.out_cache_loc[:nd], md.draft, save_kv_cache))
+        t0, t1 = nd, nd + md.resident_tokens
+        if md.resident is not None:
+            outs.append(self._forward_resident(q[t0:t1], k[t0:t1], v[t0:t1], layer, fb, md.resident,
+                                               fb.out_cache_loc[t0:t1], save_kv_cache))
         if md.staged is not None:
             outs.append(self._forward_staged(
-                q[nd:], k[nd:], v[nd:], layer, fb, md.staged, fb.out_cache_loc[nd:], save_kv_cache
+                q[t1:], k[t1:], v[t1:], layer, fb, md.staged, fb.out_cache_loc[t1:], save_kv_cache
             ))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _forward_resident(self, q, k, v, layer, fb: ForwardBatch, md: PaddedMetadata, out_loc: torch.Tensor,
+                          save_kv_cache: bool):
+        """Rows whose exact KV is in the pool (resident): the padded layout, as TARGET_VERIFY."""
+        t, pool = q.shape[0], fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, out_loc, k.reshape(t, layer.num_kv_heads, layer.head_dim),
+                               v.reshape(t, layer.num_kv_heads, layer.v_head_dim))
+        attend = _invariant_attend if self.deterministic else _attend
+        qp = q if md.q_index is None else q.index_select(0, md.q_index)
+        out = attend(qp, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md,
+                     md.batch_size, md.q_len, layer)
+        return out if md.out_index is None else out.index_select(0, md.out_index)
 
     def _forward_staged(
         self, q, k, v, layer, fb: ForwardBatch, md: StagedMetadata, out_loc: torch.Tensor, save_kv_cache: bool
