@@ -1,0 +1,97 @@
+"""ExactPlacement: which running requests keep their exact KV in device memory (ARCHITECTURE.md 11).
+
+One device budget holds the compressed tier (the chunks in use), the drafts' scratch KV and the
+staging ring, and whatever is left holds exact KV of running requests: those are *resident* and
+verify (or decode) over it with no link; the others' exact KV lives in the host tier and streams
+over the link at each verification.
+
+Rule (stable, so requests do not flap between tiers): in admission order, a request is resident
+while the resident requests' exact KV (committed positions plus one round of growth) fits what is
+left; a request that stops fitting (the compressed tier grew) is demoted, newest first. Demotion
+costs nothing (the host tier is written through: it holds every committed position); promotion
+moves the request's exact KV over the link once (charged to the transfer engine), and the request
+counts as resident only when that copy is done. A request placed for the first time (right after
+its prefill, whose exact KV was computed on the device) is resident at once if it fits.
+
+Without a device budget (no --device-kv-budget and no device memory limit) every request is
+resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
+    from sglang_vericache.mem_cache.transfer_engine import TransferEngine, TransferHandle
+
+
+@dataclass
+class Residency:
+    resident: bool = False
+    promoting: TransferHandle | None = None  # the copy onto the device, while in flight
+
+
+class ExactPlacement:
+    def __init__(self, device_bytes: int | None, overhead_bytes: int, comp_pool: CompressedKVPool,
+                 kv_bytes_per_token: int, growth_tokens: int, engine: TransferEngine | None = None):
+        self.device_bytes = device_bytes
+        self.overhead = overhead_bytes
+        self.comp_pool = comp_pool
+        self.kv_bytes = kv_bytes_per_token
+        self.growth = growth_tokens
+        self.engine = engine
+        self.state: dict[str, Residency] = {}  # rid -> residency, for running requests
+        self.stats = {"promotions": 0, "demotions": 0, "promoted_bytes": 0}
+
+    def free_bytes(self) -> float:
+        """Device bytes left for resident exact KV."""
+        if self.device_bytes is None:
+            return float("inf")
+        used = (self.comp_pool.num_chunks - self.comp_pool.available_chunks()) * self.comp_pool.bytes_per_chunk()
+        return self.device_bytes - self.overhead - used
+
+    def exact_bytes(self, committed: int) -> int:
+        return (committed + self.growth) * self.kv_bytes
+
+    def update(self, running: list) -> list[bool]:
+        """Re-places the running requests (each with .rid and .kv_committed_len, in admission
+        order); -> whether each is resident now."""
+        live = {r.rid for r in running}
+        for rid in [rid for rid in self.state if rid not in live]:
+            del self.state[rid]
+        free = self.free_bytes()
+        used = 0
+        wanted = []
+        for r in running:
+            b = self.exact_bytes(r.kv_committed_len)
+            fits = used + b <= free
+            wanted.append(fits)
+            if fits:
+                used += b
+        out = []
+        for r, want in zip(running, wanted):
+            st = self.state.get(r.rid)
+            if st is None:  # first placement, right after its prefill: its exact KV is on the device
+                st = self.state[r.rid] = Residency(resident=want)
+            elif not want:
+                if st.resident or st.promoting is not None:
+                    self.stats["demotions"] += 1
+                st.resident, st.promoting = False, None
+            elif not st.resident:
+                if st.promoting is None:
+                    st.promoting = self._promote(r)
+                if st.promoting is None or st.promoting.done():
+                    st.resident, st.promoting = True, None
+                    self.stats["promotions"] += 1
+            out.append(st.resident)
+        return out
+
+    def _promote(self, req) -> TransferHandle | None:
+        """A request whose exact KV exists only on the host gets it copied over the link once."""
+        if self.engine is None or self.engine.bandwidth is None:
+            return None
+        nbytes = req.kv_committed_len * self.kv_bytes
+        self.stats["promoted_bytes"] += nbytes
+        return self.engine.submit(lambda: None, nbytes, tag="promote")
