@@ -61,7 +61,7 @@ def test_draft_row_reads_the_compressed_kv_and_its_own_drafts():
     cm = pg.CostModel(TINY, MEMBOUND, ratio=4)
     w = pg.Work()
     cm.draft_row(w, committed=100, drafts=2)  # 100/4 + 2 + 1 = 28 keys
-    assert (w.tokens, w.kv_bytes, w.qk, w.link_bytes) == (1, 28 * 64, 28, 0)
+    assert (w.tokens, w.keys, w.qk, w.link_bytes, w.drafts) == (1, 28, 28, 0, 1)
     assert cm.time(w).total_s == pytest.approx((3472 + 1792) / 1000, abs=1e-12)
 
 
@@ -204,18 +204,30 @@ def test_trace_sampling_is_seeded_and_the_same_request_samples_the_same_rounds_i
     assert draws(make(0).requests(2)) == draws(reqs0) != draws(reqs1)
 
 
+CLI = ["--models", "qwen2.5-32b", "--contexts", "32768", "--output-tokens", "64", "--waves", "1",
+       "--link-gbps", "55", "--h200-sensitivity-gbps"]
+
+
 def test_cli_without_traces_warns_and_labels_every_output_a_projection(tmp_path, capsys):
-    pg.main(["--shapes", "qwen2.5-32b", "--contexts", "32768", "--output-tokens", "64", "--waves", "1",
-             "--link-gbps", "55", "--acceptance-json", str(tmp_path / "missing.json"),
-             "--results-dir", str(tmp_path)])
+    pg.main([*CLI, "--hardware", "h200", "h100-nvl", "--acceptance-json", str(tmp_path / "missing.json"),
+             "--calibration-json", str(tmp_path / "none.json"), "--results-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert "WARNING" in err and "CONSTANT acceptance rate of 80%" in err
     md = (tmp_path / "project_gpu.md").read_text()
     report = json.loads((tmp_path / "project_gpu.json").read_text())
-    assert "PROJECTION" in md and "FALLBACK" in md and "1.92-2.73x" in md
-    assert report["label"].startswith("PROJECTION") and report["paper_speedup_llama70b"] == [1.92, 2.73]
-    row = report["rows"][0]
-    assert (row["max_batch_full"], row["context"], row["draft_tokens"]) == (7, 32768, 30)
+    assert "PROJECTION" in md and "FALLBACK" in md and "1.92-2.73x" in md and "up to 4x" in md
+    assert report["label"].startswith("PROJECTION") and report["paper_speedup"] == [1.92, 2.73]
+    # One flat row per (hardware, model, context, policy), with the fields.
+    keys = [(r["hardware"], r["model"], r["context"], r["policy"]) for r in report["rows"]]
+    assert keys == [(hw, "Qwen2.5-32B", 32768, p) for hw in ("H200", "H100 NVL")
+                    for p in ("full", "staggered", "adaptive")]
+    h200_full = report["rows"][0]
+    assert (h200_full["batch"], h200_full["ratio_to_full"], h200_full["tp"]) == (7, 1.0, 1)
+    assert "paper_speedup" not in h200_full  # the paper's figures go beside its own hardware only
+    nvl = [r for r in report["rows"] if r["hardware"] == "H100 NVL"]
+    assert all(r["paper_speedup"] == [1.92, 2.73] and r["paper_max"] == 4.0 and r["tp"] == 2 for r in nvl)
+    assert all(r["ratio_to_full"] >= 1.0 for r in report["rows"] if r["policy"] == "adaptive")
+    assert "Adaptive at or above full on every H200 row: **yes**" in md
     assert (tmp_path / "project_gpu.png").stat().st_size > 0
 
 
@@ -224,13 +236,12 @@ def test_cli_with_traces_samples_them_and_names_the_source(tmp_path):
     row = dict(compressor="kivi4", ratio=None, draft_tokens=16, accept_rate=0.5, accept_length=9.0,
                round_trace=[[16, 8]])  # every round accepts half: X=30 -> 15 accepted, 16 tokens per round
     trace.write_text(json.dumps({"rows": [row]}))
-    pg.main(["--shapes", "qwen2.5-32b", "--contexts", "32768", "--output-tokens", "64", "--waves", "1",
-             "--link-gbps", "55", "--compressor", "kivi4", "--acceptance-json", str(trace),
-             "--results-dir", str(tmp_path)])
+    pg.main([*CLI, "--hardware", "h200", "--policies", "full", "lockstep", "--compressor", "kivi4",
+             "--acceptance-json", str(trace), "--results-dir", str(tmp_path)])
     report = json.loads((tmp_path / "project_gpu.json").read_text())
     assert "round traces" in report["acceptance_source"] and "kivi4" in report["acceptance_source"]
-    out = report["rows"][0]
-    assert out["acceptance"]["draft_tokens"] == 16
+    assert list(report["acceptance"]) == ["16"]
+    out = report["configs"][0]
     # 64 tokens per request: rounds of 16, 16, 16, then the last 16 tokens (x = 15 -> 7 accepted + 1 = 8,
     # then x = 7 -> 3 + 1 = 4, x = 3 -> 1 + 1, x = 1 -> 0 + 1, x = 0 -> 1): 8 rounds for 64 tokens.
     assert out["modes"]["lockstep"]["tokens_per_round"] == 64 / 8
