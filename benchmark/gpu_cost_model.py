@@ -390,10 +390,14 @@ class Policy:
         return Option("round", x, (1 + self.expected_accepted(x)) * p, w, host)
 
     def options(self, committed: float, resident: bool, drafting: bool, max_x: int) -> list[Option]:
-        """Decode first (resident), then rounds by x, then waiting (host tier): ties go to the earlier."""
+        """Decode first (resident), then rounds by x (those in draft_lengths up to max_x, and max_x itself
+        below the longest), then waiting (host tier): ties go to the earlier."""
         out = [self.decode(committed)] if resident else []
         if drafting or not resident:
-            xs = [x for x in self.draft_lengths if x <= max_x] or ([] if resident else [max_x])
+            # Near its end a request may also draft exactly what it has left (max_x = tokens left - 1).
+            xs = [x for x in self.draft_lengths if x <= max_x]
+            if max_x < self.draft_lengths[-1] and max_x not in xs and (xs or not resident):
+                xs.append(max_x)
             out += [self.round(committed, x, host=not resident) for x in xs]
         if not resident:
             out.append(Option("wait", 0, 0.0, Work(), True))

@@ -564,6 +564,7 @@ def policy_rows(row: dict) -> list[dict]:
             "link_gbps": row["link_gbps"],
             "compression_ratio": row["ratio"],
             "policy": policy,
+            "acceptance": row.get("acceptance_model", "measured traces"),
             "tokens_per_s": m["tokens_per_s"],
             "ratio_to_full": m["tokens_per_s"] / full if full else None,
             "full_fits": row["max_batch_full"] > 0,
@@ -692,7 +693,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=RESULTS / "calibration_cpu.json",
         help="benchmark/calibrate_cpu.py output, reported beside the projection if present.",
     )
+    p.add_argument(
+        "--sensitivity-accept-rate",
+        type=float,
+        default=0.9,
+        help="Extra rows on the paper's hardware with this constant acceptance rate (0.9: 28 tokens per round "
+        "at x=30, inside the paper's reported 25-40); a sensitivity, labelled so. Pass -1 to skip.",
+    )
     p.add_argument("--seed", type=int, default=0, help="Seed of the trace sampling.")
+    p.add_argument(
+        "--report-only", action="store_true", help="Re-render STEM.md / STEM.png from STEM.json (no simulation)."
+    )
     p.add_argument("--out", default="project_gpu", help="Output stem: writes STEM.json, STEM.md, STEM.png.")
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="Folder for the outputs.")
     return p
@@ -706,8 +717,28 @@ def configs(args) -> list[tuple[str, str, int, float]]:
     return out
 
 
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return str(path)
+
+
+def report_only(args) -> None:
+    """Re-render STEM.md and STEM.png from STEM.json (and the calibration file), no simulation."""
+    out = args.results_dir / args.out
+    data = json.loads(out.with_suffix(".json").read_text())
+    meta = {k: v for k, v in data.items() if k not in ("rows", "configs")}
+    calibration = json.loads(args.calibration_json.read_text()) if args.calibration_json.exists() else None
+    out.with_suffix(".md").write_text(markdown(data["configs"], meta, calibration) + "\n")
+    plot(data["configs"], out.with_suffix(".png"), f"acceptance: {meta['acceptance_source']}")
+    print(f"wrote {out}.md, .png from {out}.json")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.report_only:
+        return report_only(args)
     tp = dict(TP)
     for spec in args.tp:
         key, n = spec.split("=")
@@ -717,7 +748,7 @@ def main(argv: list[str] | None = None) -> None:
         traces, tmeta = load_traces(args.acceptance_json, args.compressor, args.ratio)
         acc = Acceptance(by_x=traces)
         source = (
-            f"round traces from {args.acceptance_json} ({args.compressor}, draft lengths "
+            f"round traces from {_rel(args.acceptance_json)} ({args.compressor}, draft lengths "
             f"{sorted(traces)}), the nearest length's rate mapped onto x"
         )
     else:
@@ -728,27 +759,32 @@ def main(argv: list[str] | None = None) -> None:
         )
         acc, tmeta = Acceptance(rate=args.fallback_accept_rate), {"fallback_rate": args.fallback_accept_rate}
         source = f"FALLBACK constant acceptance rate {args.fallback_accept_rate:.0%} (no trace file)"
+    runs = [(cfg, acc, "measured traces") for cfg in configs(args)]
+    if args.sensitivity_accept_rate >= 0:  # the paper's acceptance on the paper's hardware
+        sens = Acceptance(rate=args.sensitivity_accept_rate)
+        label = f"constant {args.sensitivity_accept_rate:.0%} (sensitivity)"
+        runs += [(cfg, sens, label) for cfg in configs(args) if HARDWARE[cfg[0]].name in PAPER_HARDWARE]
     rows = []
-    for hw, m, c, link in tqdm(configs(args), desc="projections"):
+    for (hw, m, c, link), a, label in tqdm(runs, desc="projections"):
         gpu = GPU(**{**asdict(HARDWARE[hw]), "link_bw": link * 1e9, "host_bytes": args.host_gb * 1e9})
         shape = SHAPES[m].with_tp(tp.get((hw, m), 1))
-        rows.append(
-            project(
-                shape,
-                gpu,
-                c,
-                args.output_tokens,
-                args.ratio,
-                args.draft_tokens,
-                acc,
-                args.staging_gb * 1e9,
-                args.waves,
-                args.seed,
-                tuple(args.policies),
-                progress=True,
-                draft_lengths=tuple(args.draft_lengths),
-            )
+        row = project(
+            shape,
+            gpu,
+            c,
+            args.output_tokens,
+            args.ratio,
+            args.draft_tokens,
+            a,
+            args.staging_gb * 1e9,
+            args.waves,
+            args.seed,
+            tuple(args.policies),
+            progress=True,
+            draft_lengths=tuple(args.draft_lengths),
         )
+        row["acceptance_model"] = label
+        rows.append(row)
     calibration = json.loads(args.calibration_json.read_text()) if args.calibration_json.exists() else None
     meta = {
         "label": LABEL,

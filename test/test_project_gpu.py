@@ -218,9 +218,13 @@ def test_cli_without_traces_warns_and_labels_every_output_a_projection(tmp_path,
     assert "PROJECTION" in md and "FALLBACK" in md and "1.92-2.73x" in md and "up to 4x" in md
     assert report["label"].startswith("PROJECTION") and report["paper_speedup"] == [1.92, 2.73]
     # One flat row per (hardware, model, context, policy), with the fields.
-    keys = [(r["hardware"], r["model"], r["context"], r["policy"]) for r in report["rows"]]
-    assert keys == [(hw, "Qwen2.5-32B", 32768, p) for hw in ("H200", "H100 NVL")
+    # The paper's hardware also gets the sensitivity rows (a constant 90% acceptance), labelled.
+    keys = [(r["hardware"], r["model"], r["context"], r["policy"], r["acceptance"]) for r in report["rows"]]
+    assert keys == [(hw, "Qwen2.5-32B", 32768, p, acc)
+                    for hw, acc in (("H200", "measured traces"), ("H100 NVL", "measured traces"),
+                                    ("H100 NVL", "constant 90% (sensitivity)"))
                     for p in ("full", "staggered", "adaptive")]
+    assert "### Sensitivity: the paper's acceptance" in md
     h200_full = report["rows"][0]
     assert (h200_full["batch"], h200_full["ratio_to_full"], h200_full["tp"]) == (7, 1.0, 1)
     assert "paper_speedup" not in h200_full  # the paper's figures go beside its own hardware only
@@ -237,6 +241,7 @@ def test_cli_with_traces_samples_them_and_names_the_source(tmp_path):
                round_trace=[[16, 8]])  # every round accepts half: X=30 -> 15 accepted, 16 tokens per round
     trace.write_text(json.dumps({"rows": [row]}))
     pg.main([*CLI, "--hardware", "h200", "--policies", "full", "lockstep", "--compressor", "kivi4",
+             "--sensitivity-accept-rate", "-1",
              "--acceptance-json", str(trace), "--results-dir", str(tmp_path)])
     report = json.loads((tmp_path / "project_gpu.json").read_text())
     assert "round traces" in report["acceptance_source"] and "kivi4" in report["acceptance_source"]
