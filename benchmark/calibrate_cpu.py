@@ -135,7 +135,12 @@ def time_forwards(model_path: str, kv_dtype: str, page: int = 32, ratio: float =
         for _ in range(b):
             cm.full_row(w, L + 1)
         out.append(
-            {"kind": f"decode B={b}", "kv": kv_dtype, "seconds": _best(lambda b=b: decode(b)), "work": asdict(w)}
+            {
+                "kind": f"decode B={b}",
+                "kv": kv_dtype,
+                "seconds": _best(lambda b=b: decode(b)),
+                "work": asdict(w),
+            }
         )
     for b in (1, 2):
         w = Work()
@@ -266,6 +271,138 @@ def batches(case: dict, shape: ModelShape, X: int) -> dict[str, int]:
     return {"full": full, "lossy": lossy, "lockstep": vc, "staggered": vc}
 
 
+UNIT_FIELDS = ("per_forward_s", "per_request_s", "draft_overhead_s", "kv_bw", "attn_flops")
+
+
+def _profiles(machine: dict) -> tuple[GPU, list[GPU]]:
+    """The known part (weights and matmuls at the measured bandwidth and FLOP/s) and one profile per
+    unknown with only that coefficient at 1: a serial forward's time is linear in the unknowns, so a
+    quantity's model value is known + sum_k c_k * (its value under unit profile k)."""
+    inf = math.inf
+    off = {"serial": True, "kv_bw": inf, "attn_flops": inf}
+    known = GPU(name="known", hbm_bw=machine["hbm_bw"], flops=machine["flops"], **off)
+    units = []
+    for f in UNIT_FIELDS:
+        # kv_bw = 1 B/s and attn_flops = 1 FLOP/s make their coefficients seconds per byte / per FLOP.
+        units.append(GPU(name=f, hbm_bw=inf, flops=inf, **{**off, f: 1.0}))
+    return known, units
+
+
+def _coef_to_profile(coef, machine: dict) -> GPU:
+    c = dict(zip(UNIT_FIELDS, coef))
+    return GPU(
+        name="CPU (this machine)",
+        hbm_bytes=0.0,
+        mem_fraction=1.0,
+        hbm_bw=machine["hbm_bw"],
+        flops=machine["flops"],
+        serial=True,
+        per_forward_s=c["per_forward_s"],
+        per_request_s=c["per_request_s"],
+        draft_overhead_s=c["draft_overhead_s"],
+        kv_bw=1 / c["kv_bw"] if c["kv_bw"] > 0 else math.inf,
+        attn_flops=1 / c["attn_flops"] if c["attn_flops"] > 0 else math.inf,
+    )
+
+
+def _nonneg_lstsq(a, y):
+    """Least squares with coefficients >= 0: drop the most negative one and refit until none is."""
+    import numpy as np
+
+    free = list(range(a.shape[1]))
+    while True:
+        sol = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
+        if (sol >= 0).all() or not free:
+            coef = np.zeros(a.shape[1])
+            coef[free] = sol
+            return coef
+        free.pop(int(np.argmin(sol)))
+
+
+def bench_quantities(case: dict, shape: ModelShape, acc: pg.Acceptance):
+    """What calibration fits to, from one bench_long_context run: (name, measured seconds, value(profile))
+    for the full and lossy runs' wall time (decode + prefill), the lock-step draft step median and the
+    whole prefill. The VeriCache modes' tokens/s and their verify steps are left out (predicted)."""
+    a = case["args"]
+    X, P, O, N = a["draft_tokens"], a["input_len"], a["output_len"], a["num_requests"]
+    b = batches(case, shape, X)
+    rows = {r["mode"]: r for r in case["rows"]}
+    L = P + O // 2
+    pre = Work(tokens=P, keys=P, qk=P * (P + 1) / 2, requests=1)
+    redo = Work(tokens=L, keys=L, qk=L * L / 2, requests=1)
+
+    def run(mode: str):
+        def value(prof: GPU) -> float:
+            cm = CostModel(shape, replace(prof, link_bw=_bytes(a["link_bandwidth"])), a["ratio"])
+            sim = pg.Simulator(cm, P, O, X, a["staging_tokens"], acc)
+            st = sim.run_full(b[mode], N, compressed=mode == "lossy")
+            retracted = rows[mode].get("retracted") or 0
+            return st.seconds + N * cm.time(pre).total_s + retracted * cm.time(redo).total_s
+
+        return value
+
+    def draft(prof: GPU) -> float:
+        cm = CostModel(shape, prof, a["ratio"])
+        w = Work()
+        for _ in range(b["lockstep"]):
+            cm.draft_row(w, L, X / 2)
+        return cm.time(w).total_s
+
+    def prefill(prof: GPU) -> float:
+        return N * CostModel(shape, prof, a["ratio"]).time(pre).total_s
+
+    out = [
+        (f"{m} run (wall)", N * O / rows[m]["tok_s_median"], run(m)) for m in ("full", "lossy") if m in rows
+    ]
+    lock = case.get("timelines", {}).get("vc-lockstep", {}).get("compute", [])
+    drafts = [e - s for s, e, k in lock if k == "draft"]
+    if drafts:
+        out.append((f"lock-step draft step (B={b['lockstep']})", statistics.median(drafts), draft))
+    pre_t = [e - s for s, e, k in lock if k == "prefill"]
+    if pre_t:
+        out.append(("prefill, all requests", sum(pre_t), prefill))
+    return out
+
+
+def fit_on_bench(names: list[str], machine: dict, acc: pg.Acceptance, model_path: str) -> tuple[GPU, dict]:
+    """The serial profile's unknowns by least squares (relative errors) on bench_quantities of every case."""
+    import numpy as np
+
+    known, units = _profiles(machine)
+    rows, ys, meta = [], [], []
+    for name in names:
+        case = json.loads((RESULTS / f"{name}.json").read_text())
+        shape = tiny_shape(model_path, 4, 2 if case["args"].get("kv_cache_dtype") == "bfloat16" else 4)
+        for q, measured, value in bench_quantities(case, shape, acc):
+            rows.append([value(u) / measured for u in units])
+            ys.append((measured - value(known)) / measured)
+            meta.append((name, q, measured, value))
+    coef = _nonneg_lstsq(np.array(rows), np.array(ys))
+    prof = _coef_to_profile(coef, machine)
+    points = []
+    for name, q, measured, value in meta:
+        pred = value(prof)
+        points.append(
+            {
+                "case": name,
+                "quantity": q,
+                "measured_s": measured,
+                "predicted_s": pred,
+                "rel_err": pred / measured - 1,
+            }
+        )
+    errs = [abs(p["rel_err"]) for p in points]
+    return prof, {
+        "method": "fit to bench_long_context: full and lossy wall time, lock-step draft step "
+        "medians, prefill totals",
+        "points": len(points),
+        "unknowns": list(UNIT_FIELDS),
+        "samples": points,
+        "mean_abs_rel_err": statistics.mean(errs),
+        "max_abs_rel_err": max(errs),
+    }
+
+
 def replay(case_name: str, prof: GPU, acc: pg.Acceptance, model_path: str) -> dict:
     case = json.loads((RESULTS / f"{case_name}.json").read_text())
     a = case["args"]
@@ -294,6 +431,7 @@ def replay(case_name: str, prof: GPU, acc: pg.Acceptance, model_path: str) -> di
                 "mode": mode,
                 "batch": b[MODE_FOR[mode]],
                 "measured_tok_s": row["tok_s_median"],
+                "measured_spread": (max(row["tok_s_runs"]) - min(row["tok_s_runs"])) / row["tok_s_median"],
                 "predicted_tok_s": pred_tps[mode],
                 "decode_s": st["seconds"],
                 "prefill_s": wall - st["seconds"],
@@ -389,22 +527,34 @@ def main(argv: list[str] | None = None) -> None:
         "--model-path", default=default_model_path(), help="The bundled model (bench_long_context's)."
     )
     p.add_argument(
-        "--replay-only", action="store_true", help="Reuse the profile in --out; skip the measurements."
+        "--replay-only", action="store_true", help="Reuse the profile in --out; skip measuring and fitting."
+    )
+    p.add_argument(
+        "--microbench",
+        action="store_true",
+        help="Also fit a profile to timed forwards of the bundled model (independent of the bench; "
+        "sensitive to the machine's load) and report its errors.",
     )
     p.add_argument("--cases", nargs="+", default=list(CASES), help="results/<name>.json files to replay.")
     p.add_argument("--acceptance-json", type=Path, default=RESULTS / "acceptance.json", help="Round traces.")
     p.add_argument("--out", type=Path, default=RESULTS / "calibration_cpu.json", help="Output JSON.")
     args = p.parse_args(argv)
 
+    traces, _ = pg.load_traces(args.acceptance_json, "snapkv", 4.0)
+    acc = pg.Acceptance(by_x=traces)
+    names = [c for c in args.cases if (RESULTS / f"{c}.json").exists()]
     if args.replay_only:
         old = json.loads(args.out.read_text())
         prof = GPU(**old["profile"])
-        report = {k: old[k] for k in ("machine", "measured_at", "load_average", "measured", "fit")}
+        report = {
+            k: old[k] for k in ("machine", "measured_at", "load_average", "measured", "fit") if k in old
+        }
+        if "microbench" in old:
+            report["microbench"] = old["microbench"]
     else:
         load = os.getloadavg()
         meas = measure_machine()
-        samples = [s for kv in ("float32", "bfloat16") for s in time_forwards(args.model_path, kv)]
-        prof, fit = fit_profile(samples, meas, args.model_path)
+        prof, fit = fit_on_bench(names, meas, acc, args.model_path)
         report = {
             "machine": machine(threads=False) + ", 1 thread",
             "measured_at": time.strftime("%Y-%m-%d %H:%M"),
@@ -412,23 +562,18 @@ def main(argv: list[str] | None = None) -> None:
             "measured": meas,
             "fit": fit,
         }
-    traces, _ = pg.load_traces(args.acceptance_json, "snapkv", 4.0)
-    acc = pg.Acceptance(by_x=traces)
-    cases = [replay(c, prof, acc, args.model_path) for c in args.cases if (RESULTS / f"{c}.json").exists()]
-    report.update(
-        {
-            "profile": asdict(prof),
-            "cases": cases,
-            "summary": summarize(cases),
-            "notes": [
-                "Prefill is modeled as one extend per request (plus a re-prefill of P + O/2 tokens per retraction the "
-                "run reports); the compressors' scoring at prefill is not modeled.",
-                "The fit uses thread CPU time on a shared 2-core machine; bench_long_context's numbers are wall time "
-                "from another moment, so part of the absolute error is load, which the ratios mostly cancel.",
-                "Draft steps were timed with streamingllm (query-free, the same kept-slot layout as snapkv at 4x).",
-            ],
-        }
-    )
+        if args.microbench:
+            samples = [s for kv in ("float32", "bfloat16") for s in time_forwards(args.model_path, kv)]
+            micro, mfit = fit_profile(samples, meas, args.model_path)
+            mcases = [replay(c, micro, acc, args.model_path) for c in names]
+            report["microbench"] = {
+                "load_average": f"{os.getloadavg()[0]:.1f}",
+                "profile": asdict(micro),
+                "fit": mfit,
+                "summary": summarize(mcases),
+            }
+    cases = [replay(c, prof, acc, args.model_path) for c in names]
+    report.update({"profile": asdict(prof), "cases": cases, "summary": summarize(cases), "notes": NOTES})
     args.out.write_text(json.dumps(report, indent=2))
     for c in cases:
         for m in c["modes"]:
@@ -436,12 +581,24 @@ def main(argv: list[str] | None = None) -> None:
                 f"{c['name']:28s} {m['mode']:13s} meas {m['measured_tok_s']:6.1f} pred {m['predicted_tok_s']:6.1f} "
                 f"ratio meas {m['measured_ratio']:.2f} pred {m['predicted_ratio']:.2f}"
             )
-        for s in c["steps"]:
+        for st in c["steps"]:
             print(
-                f"{'':28s} {s['step']:45s} meas {s['measured_ms']:8.1f} ms pred {s['predicted_ms']:8.1f} ms"
+                f"{'':28s} {st['step']:45s} meas {st['measured_ms']:8.1f} ms pred {st['predicted_ms']:8.1f} ms"
             )
     print(json.dumps(report["summary"], indent=1))
+    if "microbench" in report:
+        print("microbench profile:", json.dumps(report["microbench"]["summary"]))
     print(f"wrote {args.out}")
+
+
+NOTES = [
+    "Fitted: full and lossy runs' wall time, the lock-step draft step median and the prefill total of each "
+    "setting (16 quantities, 5 unknowns). Predicted, not fitted: the VeriCache modes (lock-step, staggered) "
+    "and their verify / mixed steps, where the link and the schedule come in.",
+    "Prefill is modeled as one extend per request (plus a re-prefill of P + O/2 tokens per retraction the "
+    "run reports); the compressors' scoring at prefill is not modeled.",
+    "bench_long_context's tokens/s include prefill, so the predictions do too.",
+]
 
 
 if __name__ == "__main__":

@@ -94,53 +94,72 @@ def main_table(rows: list[dict]) -> list[str]:
 def calibration_section(cal: dict | None) -> list[str]:
     if not cal:
         return ["## CPU calibration", "", "No results/calibration_cpu.json (run benchmark/calibrate_cpu.py)."]
-    p = cal["profile"]
+    p, f, e = cal["profile"], cal["fit"], cal["summary"]
     lines = [
         "## CPU calibration: the same cost model on this machine against bench_long_context.py",
         "",
-        f"Profile ({cal['machine']}; measured {cal['measured_at']}, load average {cal['load_average']}): "
-        f"DRAM read {p['hbm_bw'] / 1e9:.1f} GB/s and matmul {p['flops'] / 1e9:.0f} GFLOP/s measured with torch "
-        f"(1 thread); fitted to {cal['fit']['points']} timed forwards of the bundled model (thread CPU time): "
-        f"per forward {p['per_forward_s'] * 1e3:.2f} ms, per request row {p['per_request_s'] * 1e3:.3f} ms, "
-        f"drafting forward +{p['draft_overhead_s'] * 1e3:.2f} ms, attention KV {p['kv_bw'] / 1e9:.2f} GB/s "
-        f"effective; fit error {cal['fit']['mean_abs_rel_err']:.0%} mean, {cal['fit']['max_abs_rel_err']:.0%} max. "
-        "Serial (memory and compute terms summed). The link is the runtime's throttle. Prefill is modeled "
-        "(one extend per request plus the runtime's retractions) because bench_long_context's tokens/s "
-        "include it.",
+        f"A serial profile of {cal['machine']} (the bundled model, float32 compute): DRAM read "
+        f"{cal['measured']['hbm_bw'] / 1e9:.1f} GB/s and matmul {cal['measured']['flops'] / 1e9:.0f} GFLOP/s "
+        f"measured with torch ({cal['measured_at']}, load average {cal['load_average']}); fitted ({f['method']}; "
+        f"{f['points']} quantities, least squares, coefficients >= 0): per forward {p['per_forward_s'] * 1e3:.2f} ms, "
+        f"per request row {p['per_request_s'] * 1e3:.3f} ms, drafting forward +{p['draft_overhead_s'] * 1e3:.2f} ms, "
+        f"attention KV {p['kv_bw'] / 1e9:.1f} GB/s and {p['attn_flops'] / 1e9:.0f} GFLOP/s effective. Fit error "
+        f"{f['mean_abs_rel_err']:.0%} mean, {f['max_abs_rel_err']:.0%} max. The link is the runtime's throttle; "
+        "memory and compute terms add (one thread). The VeriCache rows below are predictions: nothing of "
+        "them was fitted.",
         "",
-        "| setting | mode | measured tok/s | predicted tok/s | error | measured x full | predicted x full | error | "
-        "tok/round meas / pred |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| setting | mode | batch | measured tok/s (spread of 3) | predicted tok/s | error | measured x full | "
+        "predicted x full | ratio error | tok/round meas / pred |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in cal["cases"]:
         for m in c["modes"]:
+            fitted = " (fitted)" if m["mode"] in ("full", "lossy") else ""
+            ratio_err = "-" if m["ratio_rel_err"] is None else format(m["ratio_rel_err"], "+.0%")
             lines.append(
-                f"| {c['name']} | {m['mode']} | {m['measured_tok_s']:.1f} | {m['predicted_tok_s']:.1f} | "
-                f"{m['tok_s_rel_err']:+.0%} | {fmt(m['measured_ratio'])} | {fmt(m['predicted_ratio'])} | "
-                f"{'-' if m['ratio_rel_err'] is None else format(m['ratio_rel_err'], '+.0%')} | "
+                f"| {c['setting']} | {m['mode']}{fitted} | {m['batch']} | {m['measured_tok_s']:.1f} "
+                f"({m.get('measured_spread', 0):.0%}) | {m['predicted_tok_s']:.1f} | {m['tok_s_rel_err']:+.0%} | "
+                f"{fmt(m['measured_ratio'])} | {fmt(m['predicted_ratio'])} | {ratio_err} | "
                 f"{fmt(m.get('measured_tokens_per_round'))} / {fmt(m.get('predicted_tokens_per_round'))} |"
             )
     lines += [
         "",
-        "Step times (medians of the runs' timelines against the model at the same batch):",
+        "Step times (timeline medians, or the prefill's total, against the model at the same batch and the mean "
+        "length P + O/2):",
         "",
         "| setting | step | measured ms | predicted ms | error |",
         "| --- | --- | --- | --- | --- |",
     ]
     for c in cal["cases"]:
-        for s in c["steps"]:
-            lines.append(
-                f"| {c['name']} | {s['step']} | {s['measured_ms']:.1f} | {s['predicted_ms']:.1f} | "
-                f"{s['rel_err']:+.0%} |"
+        for st in c["steps"]:
+            fitted = (
+                " (fitted)"
+                if "draft" in st["step"] and "lock-step" in st["step"] or "prefill" in st["step"]
+                else ""
             )
-    e = cal["summary"]
+            lines.append(
+                f"| {c['setting']} | {st['step']}{fitted} | {st['measured_ms']:.1f} | {st['predicted_ms']:.1f} | "
+                f"{st['rel_err']:+.0%} |"
+            )
     lines += [
         "",
-        f"Calibration error: ratio to full {e['ratio_mean_abs_rel_err']:.0%} mean, "
-        f"{e['ratio_max_abs_rel_err']:.0%} max over {e['ratio_points']} VeriCache/lossy modes; "
-        f"tokens/s {e['tok_s_mean_abs_rel_err']:.0%} mean; step times {e['step_mean_abs_rel_err']:.0%} mean, "
-        f"{e['step_max_abs_rel_err']:.0%} max.",
+        f"**Calibration error**: VeriCache and lossy tokens/s over full {e['ratio_mean_abs_rel_err']:.0%} mean, "
+        f"{e['ratio_max_abs_rel_err']:.0%} max ({e['ratio_points']} ratios); tokens/s "
+        f"{e['tok_s_mean_abs_rel_err']:.0%} mean; step times {e['step_mean_abs_rel_err']:.0%} mean, "
+        f"{e['step_max_abs_rel_err']:.0%} max. The same setting's full-mode runs differ by up to 13% between "
+        "files and within a file's three runs (spread column), so errors of that size are noise.",
     ]
+    if cal.get("microbench"):
+        mb, ms = cal["microbench"], cal["microbench"]["summary"]
+        lines += [
+            "",
+            f"Independent check: a profile fitted only to {mb['fit']['points']} timed forwards of the bundled model "
+            f"(thread CPU time, load average {mb['load_average']}; fit error {mb['fit']['mean_abs_rel_err']:.0%} "
+            f"mean) predicts the ratios to full with {ms['ratio_mean_abs_rel_err']:.0%} mean, "
+            f"{ms['ratio_max_abs_rel_err']:.0%} max error, tokens/s {ms['tok_s_mean_abs_rel_err']:.0%} and step "
+            f"times {ms['step_mean_abs_rel_err']:.0%} mean: the machine is shared, and contention slows its small "
+            "memory-bound forwards more than the matrix products.",
+        ]
     if cal.get("notes"):
         lines += [""] + [f"- {n}" for n in cal["notes"]]
     return lines
@@ -236,9 +255,15 @@ def plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
             )
             if sens:
                 ys = [r.get("speedup_adaptive") for r in sens]
-                ax.plot([r["context"] // 1024 for r in sens], [float("nan") if y is None else y for y in ys],
-                        marker="s", ls="-.", c=f"C{i}", alpha=0.6,
-                        label=f"adaptive, paper acceptance (sensitivity), {key[0]}")
+                ax.plot(
+                    [r["context"] // 1024 for r in sens],
+                    [float("nan") if y is None else y for y in ys],
+                    marker="s",
+                    ls="-.",
+                    c=f"C{i}",
+                    alpha=0.6,
+                    label=f"adaptive, paper acceptance (sensitivity), {key[0]}",
+                )
             xs = [r["context"] // 1024 for r in sel]
             lab = f"{key[0]} TP={key[1]}, {key[2]:g} GB/s"
             for policy, marker, ls in (
