@@ -19,8 +19,10 @@ if [ "${1:-}" = "--test" ]; then
   pip_install -r requirements/test.txt
   bash scripts/start_redis.sh --install  # Debian's redis-server for the KV store tests
 fi
-# The batch-invariant CPU attention kernel (--enable-deterministic-inference) is C++: build it now
-# (about 20 s, cached under ~/.cache/torch_extensions) rather than on the first server start.
+# The CPU attention kernels are C++: the batch-invariant one (--enable-deterministic-inference) and the
+# fused draft-decode one (drafting over compressed KV). Build them now (about 25 s each, cached under
+# ~/.cache/torch_extensions) rather than on the first server start.
 .venv/bin/python -c "from sgl_kernel_ext import cpu_attention; cpu_attention.load()"
+.venv/bin/python -c "from sgl_kernel_ext import cpu_draft_attention; cpu_draft_attention.load()"
 .venv/bin/python -c "import torch, sglang_vericache; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -24,7 +24,7 @@ import torch
 CHUNK = 64
 _SOURCE = Path(__file__).parent / "csrc" / "fixed_chunk_attention.cpp"
 _lock = threading.Lock()
-_loaded = False
+_loaded: set[str] = set()  # build names loaded in this process
 
 
 def cpu_flags() -> str:
@@ -38,25 +38,27 @@ def cpu_flags() -> str:
     return ""
 
 
-def build_name() -> str:
-    digest = hashlib.sha1(_SOURCE.read_bytes() + cpu_flags().encode() + torch.__version__.encode())
-    return f"sgl_kernel_ext_cpu_{digest.hexdigest()[:12]}"
+def build_name(source: Path = _SOURCE, prefix: str = "sgl_kernel_ext_cpu", extra_cflags: tuple[str, ...] = ()) -> str:
+    """The build's name: a hash of the source, its extra flags, this CPU's flags and torch's version."""
+    flags = " ".join(extra_cflags).encode()
+    digest = hashlib.sha1(source.read_bytes() + flags + cpu_flags().encode() + torch.__version__.encode())
+    return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
-def load() -> None:
-    """Build (once per source and CPU) and load the kernel library; raises RuntimeError with the
-    compiler's message if it cannot be built."""
-    global _loaded
+def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ()) -> None:
+    """Build (once per source, flags and CPU) and load a C++ kernel library of this package (its ops
+    register themselves); raises RuntimeError with the compiler's message if it cannot be built."""
+    name = build_name(source, prefix, extra_cflags)
     with _lock:
-        if _loaded:
+        if name in _loaded:
             return
         from torch.utils.cpp_extension import load as load_extension
 
-        flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+        flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *extra_cflags]
         try:
             load_extension(
-                name=build_name(),
-                sources=[str(_SOURCE)],
+                name=name,
+                sources=[str(source)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
@@ -64,11 +66,15 @@ def load() -> None:
             )
         except Exception as exc:  # compiler missing or failing: say what is needed
             raise RuntimeError(
-                "could not build the batch-invariant CPU attention kernel "
-                f"({_SOURCE.name}) with torch.utils.cpp_extension: {exc}. It needs g++ and the "
-                "Python headers (Debian: apt-get install g++ python3-dev)"
+                f"could not build the CPU kernel {source.name} with torch.utils.cpp_extension: {exc}. "
+                "It needs g++ and the Python headers (Debian: apt-get install g++ python3-dev)"
             ) from exc
-        _loaded = True
+        _loaded.add(name)
+
+
+def load() -> None:
+    """Build (once per source and CPU) and load the batch-invariant attention kernel."""
+    build_library(_SOURCE, "sgl_kernel_ext_cpu")
 
 
 def fixed_chunk_attention(

@@ -1,0 +1,118 @@
+"""Draft-decode attention on the CPU over compressed KV read in place (csrc/draft_decode_attention.cpp).
+
+One query token per request over [compressed rows | exact tail | draft rows]. Compressed rows are
+read as the pool stores them: token-dropped rows (exact dtype) or int8 / fp8 / kivi 2-4 bit codes
+dequantized row by row in float32 inside the kernel, with the compressors' own arithmetic (the rows
+equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory. The
+reduction is batch invariant: each (request, KV head) goes over its keys in order, 64 at a time,
+float32 online softmax; a row's output does not depend on the batch, other rows, padding or the
+thread count.
+
+`compressed_layer` names a compressed layer's pool buffers (the layouts of sglang_vericache's
+compress/ package, by tensor name) in the kernel's terms; `draft_decode_attention_ref` is plain
+softmax attention over given float contexts, the reference for tests. Built on first use like
+cpu_attention (same machinery, its own library); `scripts/setup_cpu.sh` builds it up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_kernel_ext.cpu_attention import build_library
+
+_SOURCE = Path(__file__).parent / "csrc" / "draft_decode_attention.cpp"
+# The dequantization rounds each step as torch does (no fused multiply-add contraction); the
+# kernel's dot products use explicit FMA instructions.
+_CFLAGS = ("-ffp-contract=off",)
+KINDS = {"token_drop": 0, "int8": 1, "fp8": 2, "kivi": 3}
+ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def load() -> None:
+    """Build (once per source and CPU) and load the kernel; RuntimeError if it cannot be built."""
+    build_library(_SOURCE, "sgl_kernel_ext_draft_cpu", _CFLAGS)
+
+
+@dataclass(frozen=True)
+class CompressedLayer:
+    """One layer of a compressed pool as the kernel reads it."""
+
+    kind: str  # a key of KINDS
+    bits: int  # kivi code width (0 otherwise)
+    tensors: tuple[torch.Tensor, ...]  # in the kernel's order (see the .cpp header)
+
+
+def compressed_layer(layout_kind: str, buffers: dict[str, torch.Tensor]) -> CompressedLayer | None:
+    """A compressed layer's pool buffers ({name: [num_chunks + 1, ...]}) -> what the kernel reads,
+    or None for a layout it does not know."""
+    names = set(buffers)
+    if layout_kind == "token_drop" and {"k", "v"} <= names:
+        return CompressedLayer("token_drop", 0, (buffers["k"], buffers["v"]))
+    if layout_kind != "quantized":
+        return None
+    k = buffers.get("k")
+    if names == {"k", "k_scale", "v", "v_scale"}:
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if k.dtype == torch.int8:
+            return CompressedLayer("int8", 0, (k, buffers["k_scale"], buffers["v"], buffers["v_scale"]))
+        if fp8 is not None and k.dtype == fp8:  # codes read as their bytes
+            return CompressedLayer("fp8", 0, (k.view(torch.uint8), buffers["k_scale"],
+                                              buffers["v"].view(torch.uint8), buffers["v_scale"]))
+        return None
+    if names == {"k", "k_scale", "k_zero", "v", "v_scale", "v_zero"} and k.dtype == torch.uint8:
+        bits = 8 * k.shape[-1] // buffers["k_scale"].shape[-1]  # packed bytes per row vs head_dim
+        if bits not in (2, 4):
+            return None
+        order = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+        return CompressedLayer("kivi", bits, tuple(buffers[n] for n in order))
+    return None
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def draft_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    compressed: CompressedLayer,
+    chunk_ids: torch.Tensor,  # [B, C] int64, request b reads chunk_ids[b, :chunk_lens[b]]
+    chunk_lens: torch.Tensor,  # [B]
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # k, v [N, Hkv, D], index [B, S_t], lens [B]
+    draft: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,  # as tail (draft pool), or None
+    scale: float,
+    round_to: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """-> float32 [B, H, Dv]. Dequantized rows are rounded to `round_to` (bfloat16 / float16: as a
+    context held in that dtype would store them). Head dims must be multiples of 8; every request
+    needs at least one key."""
+    load()
+    tail_k, tail_v, tail_index, tail_lens = tail
+    draft_k, draft_v, draft_index, draft_lens = draft if draft is not None else (_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    def i64(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int64).contiguous()
+
+    return torch.ops.sgl_kernel_ext_draft_cpu.draft_decode_attention(
+        q.float().contiguous(), KINDS[compressed.kind], compressed.bits, ROUND_TO[round_to], list(compressed.tensors),
+        i64(chunk_ids), i64(chunk_lens), tail_k, tail_v, i64(tail_index), i64(tail_lens),
+        draft_k, draft_v, i64(draft_index), i64(draft_lens), float(scale),
+    )
+
+
+def draft_decode_attention_ref(
+    q: torch.Tensor,  # [B, H, D]
+    keys: list[torch.Tensor],  # per request [S_b, Hkv, D], its whole context in order
+    values: list[torch.Tensor],  # per request [S_b, Hkv, Dv]
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention in float64 over float contexts (query head h reads KV head h // G) -> float32."""
+    b_, h, _ = q.shape
+    out = []
+    for b in range(b_):
+        k, v = keys[b].double(), values[b].double()
+        g = h // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [S, H, D]
+        scores = torch.einsum("hd,shd->hs", q[b].double() * scale, k)
+        out.append(torch.einsum("hs,shd->hd", torch.softmax(scores, -1), v))
+    return torch.stack(out).float()

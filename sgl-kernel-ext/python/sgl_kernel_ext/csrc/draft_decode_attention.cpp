@@ -1,0 +1,548 @@
+// Draft-decode attention on the CPU: one query token per request over
+//   [compressed rows | exact tail | draft rows]
+// read where they are stored. Compressed rows are token-dropped rows (exact dtype) or quantized
+// codes (int8, fp8 e4m3, kivi 2/4-bit) dequantized row by row into a 64-key buffer, in float32,
+// with the compressor's own arithmetic (code * scale [+ zero], each step rounded: the file is
+// built with -ffp-contract=off), so the rows equal compressor.decompress() bitwise; with round_to
+// they are then rounded to bfloat16 / float16, as a context held in that dtype stores them.
+// Nothing is expanded in memory beyond one chunk of 64 keys per thread.
+//
+// Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
+// go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
+// result depends on its query and its keys only: not on the batch, other rows, padding or the
+// thread count. A score is a dot product over D in 8-lane partial sums, lanes added in a fixed tree.
+//
+//   q           [B, H, D] float32 (contiguous); round_to 0 none, 1 bfloat16, 2 float16
+//   comp        kind 0 token_drop: [k, v] rows [NC, R, Hkv, D] (float32 / bfloat16 / float16)
+//               kind 1 int8, 2 fp8: [k, k_scale, v, v_scale] codes [NC, T, Hkv, D] int8 / uint8
+//                 (fp8 bytes), scales [NC, T, Hkv] float16
+//               kind 3 kivi: [k, k_scale, k_zero, v, v_scale, v_zero] codes [NC, T, Hkv, D*bits/8]
+//                 uint8, key scale/zero [NC, T/Gk, Hkv, D], value scale/zero [NC, T, Hkv, D/Gv] f16
+//   chunk_ids   [B, C] int64, chunk_lens [B]: request b reads chunks chunk_ids[b, :chunk_lens[b]]
+//   tail_k/v    [N, Hkv, D|Dv] exact pool; tail_index [B, St] slots, tail_lens [B]
+//   draft_k/v   [N', Hkv, D|Dv] draft pool (any float dtype); draft_index [B, Sd], draft_lens [B]
+//   -> out      [B, H, Dv] float32
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DRAFT_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t CHUNK = 64;
+constexpr int64_t VW = 8;
+typedef float vfloat __attribute__((vector_size(VW * sizeof(float))));
+
+enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3 };
+enum Elem : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {  // a * b + c
+#ifdef DRAFT_AVX2
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+inline void halves_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+inline void bf16s_to_float(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    dst[i] = f;
+  }
+}
+
+typedef int32_t vint __attribute__((vector_size(VW * sizeof(int32_t))));
+typedef uint8_t vbyte __attribute__((vector_size(VW)));
+
+// Rounds float32 x[0, n) in place to the nearest bfloat16 / float16 (ties to even), as a cast to that
+// dtype and back would; n a multiple of 8. Values are finite (dequantized codes).
+inline void round_row(float* x, int64_t n, Elem to) {
+  if (to == BF16) {
+    for (int64_t i = 0; i < n; i += VW) {
+      vint bits;
+      std::memcpy(&bits, x + i, sizeof(bits));
+      bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & (int32_t)0xFFFF0000u;
+      std::memcpy(x + i, &bits, sizeof(bits));
+    }
+  } else if (to == F16) {
+#ifdef __F16C__
+    for (int64_t i = 0; i < n; i += VW)
+      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#else
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(c10::Half(x[i]));
+#endif
+  }
+}
+
+// dst[i] = float(float8_e4m3fn byte src[i]) * scale, exactly as torch converts (bias 7, no
+// infinities, 0x7F / 0xFF NaN), 8 at a time in integer ops; n a multiple of 8.
+inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) {
+#ifdef DRAFT_AVX2
+    const vint byte = (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+#else
+    vbyte raw;
+    std::memcpy(&raw, src + i, sizeof(raw));
+    const vint byte = __builtin_convertvector(raw, vint);
+#endif
+    const vint em = byte & 0x7F;
+    const vint normal = (em << 20) + (120 << 23);  // exponent e + 120, mantissa to the top 3 bits
+    const vfloat sub_f = __builtin_convertvector(em & 7, vfloat) * 0.001953125f;  // m * 2^-9
+    vint sub;
+    std::memcpy(&sub, &sub_f, sizeof(sub));
+    vint bits = (em >> 3) == 0 ? sub : normal;
+    bits = em == 0x7F ? vint{} + 0x7FC00000 : bits;
+    bits |= (byte & 0x80) << 24;
+    vfloat f;
+    std::memcpy(&f, &bits, sizeof(f));
+    vstore(dst + i, f * scale);
+  }
+}
+
+// A row of an exact-dtype source as float32: a pointer into the source when it is float32,
+// else converted into buf.
+inline const float* exact_row(const void* base, Elem e, int64_t offset, int64_t n, float* buf) {
+  if (e == F32) return static_cast<const float*>(base) + offset;
+  const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+  if (e == BF16)
+    bf16s_to_float(src, buf, n);
+  else
+    halves_to_float(src, buf, n);
+  return buf;
+}
+
+typedef uint32_t vuint __attribute__((vector_size(VW * sizeof(uint32_t))));
+
+// Codes i..i+7 of a kivi row (8 codes fill BITS bytes, code k at bits BITS*k) as floats.
+template <int BITS>
+inline vfloat kivi_codes(const uint8_t* packed, int64_t i) {
+  uint32_t word = 0;
+  std::memcpy(&word, packed + i * BITS / 8, BITS);  // little endian: code k of the 8 at bit BITS*k
+  const vuint shifts = {0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
+  const vuint codes = ((vuint{} + word) >> shifts) & ((1u << BITS) - 1);
+  return __builtin_convertvector((vint)codes, vfloat);  // < 16: the signed conversion is exact
+}
+
+// dst = code * scale + zero (two roundings, as compressor.decompress), per channel scale / zero.
+template <int BITS>
+inline void kivi_row(const uint8_t* packed, const float* scale, const float* zero, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) vstore(dst + i, kivi_codes<BITS>(packed, i) * vload(scale + i) + vload(zero + i));
+}
+
+// The same with one scale / zero per group of `group` channels (float16 bits), group a multiple of 8.
+template <int BITS>
+inline void kivi_row_grouped(const uint8_t* packed, const uint16_t* scale, const uint16_t* zero, int64_t group,
+                             float* dst, int64_t n) {
+  for (int64_t i = 0, gi = 0; i < n; i += group, ++gi) {
+    const float sc = half_to_float(scale[gi]), z = half_to_float(zero[gi]);
+    for (int64_t e = i; e < i + group; e += VW) vstore(dst + e, kivi_codes<BITS>(packed, e) * sc + z);
+  }
+}
+
+// s[c] = dot(q, k[c]) for 8 keys; D a multiple of 8.
+inline void dot8(const float* q, const float* const* k, int64_t D, float* s) {
+  vfloat a[8] = {};
+  for (int64_t j = 0; j < D; j += VW) {
+    const vfloat qj = vload(q + j);
+    for (int c = 0; c < 8; ++c) a[c] = fmadd(qj, vload(k[c] + j), a[c]);
+  }
+#ifdef DRAFT_AVX2
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(s, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  for (int c = 0; c < 8; ++c) {
+    const vfloat v = a[c];
+    s[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  }
+#endif
+}
+
+// acc[d0 : d0 + 8*NV] += sum over c < cn of p[c] * v[c][d0 : ...], keys in order.
+template <int NV>
+inline void pv_block(float* acc, const float* p, const float* const* v, int64_t cn, int64_t d0) {
+  vfloat a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = vload(acc + d0 + j * VW);
+  for (int64_t c = 0; c < cn; ++c) {
+    const vfloat pc = vfloat{} + p[c];
+    const float* vr = v[c] + d0;
+    for (int j = 0; j < NV; ++j) a[j] = fmadd(pc, vload(vr + j * VW), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) vstore(acc + d0 + j * VW, a[j]);
+}
+
+inline void pv(float* acc, const float* p, const float* const* v, int64_t cn, int64_t Dv) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= Dv; d0 += 64) pv_block<8>(acc, p, v, cn, d0);
+  switch ((Dv - d0) / VW) {
+    case 7: pv_block<7>(acc, p, v, cn, d0); break;
+    case 6: pv_block<6>(acc, p, v, cn, d0); break;
+    case 5: pv_block<5>(acc, p, v, cn, d0); break;
+    case 4: pv_block<4>(acc, p, v, cn, d0); break;
+    case 3: pv_block<3>(acc, p, v, cn, d0); break;
+    case 2: pv_block<2>(acc, p, v, cn, d0); break;
+    case 1: pv_block<1>(acc, p, v, cn, d0); break;
+    default: break;
+  }
+}
+
+// exp for x <= 0 (a score minus its row's max), Cephes' expf polynomial (about 1 ulp), 8 lanes
+// at a time; each step rounded on its own (no contraction), so every lane computes the same function.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f;
+  const vfloat xc = x < lo ? lo : x;
+  const vfloat t = xc * 1.44269504088896341f + 0.5f;
+#ifdef DRAFT_AVX2
+  const vfloat n = (vfloat)_mm256_floor_ps((__m256)t);
+#else
+  vfloat n;
+  for (int i = 0; i < VW; ++i) n[i] = std::floor(t[i]);
+#endif
+  vfloat r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vfloat y = vfloat{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vfloat e = y * scale;
+  return x < lo ? vfloat{} : e;
+}
+
+struct Part {  // exact rows (tail or drafts): slot index[b, i], i < lens[b]
+  const void* k = nullptr;
+  const void* v = nullptr;
+  Elem elem = F32;
+  const int64_t* index = nullptr;
+  int64_t width = 0;  // index row stride
+  const int64_t* lens = nullptr;
+};
+
+struct Compressed {
+  int64_t kind, rows, bits, key_group, value_group;  // rows = R (token drop) or T (quantizers)
+  const void* k;
+  const void* v;
+  const uint16_t *k_scale, *k_zero, *v_scale, *v_zero;  // float16 bits
+  Elem elem;  // token drop rows
+  Elem round_to;  // dequantized rows rounded to this dtype (F32: not rounded)
+  const int64_t* ids;
+  int64_t width;
+  const int64_t* lens;
+};
+
+struct Shape {
+  int64_t B, H, Hkv, D, Dv, G;
+};
+
+// Per-thread state of one work item: buffers, and the kivi key group last converted.
+struct Scratch {
+  std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l, ks, kz, vs, vz;
+  int64_t group_chunk = -1, group = -1;
+  Scratch(const Shape& sh)
+      : qf(sh.G * sh.D), kbuf(CHUNK * sh.D), vbuf(CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK), acc(sh.G * sh.Dv),
+        m(sh.G), l(sh.G), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv) {}
+};
+
+// Row j (key group `group` for kivi) of chunk id, KV head hk, as float32 K and V rows: *kp / *vp
+// point into the pool (float32 token-drop rows) or at kd / vd, where the row is dequantized.
+void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t group, int64_t hk,
+                    float* kd, float* vd, const float** kp, const float** vp, Scratch& st) {
+  const int64_t R = cp.rows, D = sh.D, Dv = sh.Dv, Hkv = sh.Hkv;
+  const int64_t row = (id * R + j) * Hkv + hk;  // (chunk, row, head)
+  if (cp.kind == TOKEN_DROP) {
+    *kp = exact_row(cp.k, cp.elem, row * D, D, kd);
+    *vp = exact_row(cp.v, cp.elem, row * Dv, Dv, vd);
+    return;
+  }
+  *kp = kd;
+  *vp = vd;
+  if (cp.kind == INT8 || cp.kind == FP8) {
+    const float ksc = half_to_float(cp.k_scale[row]), vsc = half_to_float(cp.v_scale[row]);
+    if (cp.kind == INT8) {
+      const int8_t* kc = static_cast<const int8_t*>(cp.k) + row * D;
+      const int8_t* vc = static_cast<const int8_t*>(cp.v) + row * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kc[d]) * ksc;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = static_cast<float>(vc[d]) * vsc;
+    } else {
+      const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + row * D;
+      const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + row * Dv;
+      fp8_row(kc, ksc, kd, D);
+      fp8_row(vc, vsc, vd, Dv);
+    }
+    return;
+  }
+  // kivi: keys per channel (scale/zero shared by a group of key_group tokens), values per token
+  if (id != st.group_chunk || group != st.group) {
+    const int64_t at = ((id * (R / cp.key_group) + group) * Hkv + hk) * D;
+    halves_to_float(cp.k_scale + at, st.ks.data(), D);
+    halves_to_float(cp.k_zero + at, st.kz.data(), D);
+    st.group_chunk = id;
+    st.group = group;
+  }
+  const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + row * (D * cp.bits / 8);
+  const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + row * (Dv * cp.bits / 8);
+  const int64_t vg = cp.value_group, ng = Dv / vg;
+  const uint16_t* vs16 = cp.v_scale + row * ng;
+  const uint16_t* vz16 = cp.v_zero + row * ng;
+  if (vg % VW != 0) {  // value groups narrower than a vector: scales expanded per channel
+    for (int64_t gi = 0, d = 0; gi < ng; ++gi) {
+      const float sc = half_to_float(vs16[gi]), z = half_to_float(vz16[gi]);
+      for (int64_t e = 0; e < vg; ++e, ++d) st.vs[d] = sc, st.vz[d] = z;
+    }
+  }
+  if (cp.bits == 4) {
+    kivi_row<4>(kc, st.ks.data(), st.kz.data(), kd, D);
+    if (vg % VW == 0) kivi_row_grouped<4>(vc, vs16, vz16, vg, vd, Dv); else kivi_row<4>(vc, st.vs.data(), st.vz.data(), vd, Dv);
+  } else {
+    kivi_row<2>(kc, st.ks.data(), st.kz.data(), kd, D);
+    if (vg % VW == 0) kivi_row_grouped<2>(vc, vs16, vz16, vg, vd, Dv); else kivi_row<2>(vc, st.vs.data(), st.vz.data(), vd, Dv);
+  }
+}
+
+inline float lane_max(vfloat v) {
+  float m = v[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// The G query heads of KV head hk of request b over its keys, CHUNK at a time.
+void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
+                 float scale, int64_t b, int64_t hk, float* out, Scratch& st) {
+  const int64_t D = sh.D, Dv = sh.Dv, G = sh.G;
+  const int64_t n_comp = cp.lens[b] * cp.rows, n_tail = tail.lens[b];
+  const int64_t n = n_comp + n_tail + (draft.lens ? draft.lens[b] : 0);
+  const int64_t* ids = cp.ids + b * cp.width;
+  const int64_t* tail_slots = tail.index + b * tail.width;
+  const int64_t* draft_slots = draft.lens ? draft.index + b * draft.width : nullptr;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qr = q + (b * sh.H + hk * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) st.qf[g * D + d] = qr[d] * scale;
+  }
+  std::fill(st.acc.begin(), st.acc.end(), 0.f);
+  std::fill(st.m.begin(), st.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(st.l.begin(), st.l.end(), 0.f);
+  st.group_chunk = st.group = -1;
+  int64_t chunk = 0, j = 0, group = 0, in_group = 0;  // cursor over the compressed rows
+  const float* kp[CHUNK];
+  const float* vp[CHUNK];
+  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+    const int64_t cn = std::min(CHUNK, n - c0), cn8 = (cn + VW - 1) / VW * VW;
+    for (int64_t c = 0; c < cn; ++c) {
+      const int64_t i = c0 + c;
+      float* kd = st.kbuf.data() + c * D;
+      float* vd = st.vbuf.data() + c * Dv;
+      if (i < n_comp) {
+        compressed_row(cp, sh, ids[chunk], j, group, hk, kd, vd, &kp[c], &vp[c], st);
+        if (cp.kind != TOKEN_DROP && cp.round_to != F32) round_row(kd, D, cp.round_to), round_row(vd, Dv, cp.round_to);
+        if (++in_group == cp.key_group) in_group = 0, ++group;
+        if (++j == cp.rows) j = 0, group = 0, in_group = 0, ++chunk;
+      } else {
+        const bool in_tail = i < n_comp + n_tail;
+        const int64_t slot = in_tail ? tail_slots[i - n_comp] : draft_slots[i - n_comp - n_tail];
+        const Part& part = in_tail ? tail : draft;
+        kp[c] = exact_row(part.k, part.elem, (slot * sh.Hkv + hk) * D, D, kd);
+        vp[c] = exact_row(part.v, part.elem, (slot * sh.Hkv + hk) * Dv, Dv, vd);
+      }
+    }
+    for (int64_t c = cn; c < cn8; ++c) kp[c] = st.zero.data();  // padding lanes: score set to -inf below
+    float* s = st.s.data();
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < cn8; c += VW) dot8(st.qf.data() + g * D, kp + c, D, s + c);
+      for (int64_t c = cn; c < cn8; ++c) s[c] = -std::numeric_limits<float>::infinity();
+      vfloat vmax = vfloat{} + st.m[g];
+      for (int64_t c = 0; c < cn8; c += VW) {
+        const vfloat x = vload(s + c);
+        vmax = x > vmax ? x : vmax;
+      }
+      const float mc = lane_max(vmax);
+      const float alpha = std::exp(st.m[g] - mc);  // exp(-inf) = 0 on the first chunk
+      vfloat vsum = {};
+      for (int64_t c = 0; c < cn8; c += VW) {
+        const vfloat p = exp_nonpositive(vload(s + c) - mc);  // padding lanes: 0
+        vstore(s + c, p);
+        vsum += p;
+      }
+      const float sum = ((vsum[0] + vsum[1]) + (vsum[2] + vsum[3])) + ((vsum[4] + vsum[5]) + (vsum[6] + vsum[7]));
+      st.l[g] = st.l[g] * alpha + sum;
+      st.m[g] = mc;
+      float* a = st.acc.data() + g * Dv;
+      for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+      pv(a, s, vp, cn, Dv);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* o = out + (b * sh.H + hk * G + g) * Dv;
+    const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = st.acc[g * Dv + d] * inv;
+  }
+}
+
+Elem elem_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    default: TORCH_CHECK(false, "draft_decode_attention: ", what, " must be float32, bfloat16 or float16");
+  }
+  return F32;
+}
+
+void check_index(const at::Tensor& index, const at::Tensor& lens, int64_t B, const char* what) {
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == B && index.scalar_type() == at::kLong && index.is_contiguous(),
+              "draft_decode_attention: ", what, " index must be a contiguous int64 [B, S]");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "draft_decode_attention: ", what, " lens must be a contiguous int64 [B]");
+  const int64_t* l = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(l[b] >= 0 && l[b] <= index.size(1), "draft_decode_attention: ", what, " lens[", b, "] = ", l[b],
+                " is outside [0, ", index.size(1), "]");
+}
+
+Part exact_part(const at::Tensor& k, const at::Tensor& v, const at::Tensor& index, const at::Tensor& lens,
+                const Shape& sh, const char* what) {
+  Part p;
+  if (lens.numel() == 0) return p;  // no such part
+  check_index(index, lens, sh.B, what);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == sh.Hkv && v.size(1) == sh.Hkv && k.size(2) == sh.D &&
+                  v.size(2) == sh.Dv && k.size(0) == v.size(0) && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == v.scalar_type(),
+              "draft_decode_attention: ", what, " k/v must be contiguous [N, Hkv, D] of one dtype");
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.numel(); ++i)
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < k.size(0), "draft_decode_attention: ", what, " slot out of range");
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.elem = elem_of(k, what);
+  p.index = idx;
+  p.width = index.size(1);
+  p.lens = lens.data_ptr<int64_t>();
+  return p;
+}
+
+at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bits, int64_t round_to,
+                                  at::TensorList comp,
+                                  const at::Tensor& chunk_ids, const at::Tensor& chunk_lens, const at::Tensor& tail_k,
+                                  const at::Tensor& tail_v, const at::Tensor& tail_index, const at::Tensor& tail_lens,
+                                  const at::Tensor& draft_k, const at::Tensor& draft_v, const at::Tensor& draft_index,
+                                  const at::Tensor& draft_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "draft_decode_attention: q must be a contiguous float32 [B, H, D]");
+  Shape sh{q.size(0), q.size(1), tail_k.dim() == 3 ? tail_k.size(1) : 0, q.size(2),
+           tail_v.dim() == 3 ? tail_v.size(2) : 0, 0};
+  TORCH_CHECK(round_to >= F32 && round_to <= F16, "draft_decode_attention: round_to must be 0, 1 or 2");
+  TORCH_CHECK(sh.Hkv > 0 && sh.H % sh.Hkv == 0, "draft_decode_attention: H must be a multiple of Hkv");
+  TORCH_CHECK(sh.D % VW == 0 && sh.Dv % VW == 0, "draft_decode_attention: head dims must be multiples of 8");
+  sh.G = sh.H / sh.Hkv;
+  TORCH_CHECK(tail_lens.numel() == sh.B, "draft_decode_attention: tail_lens must be [B]");
+  const Part tail = exact_part(tail_k, tail_v, tail_index, tail_lens, sh, "tail");
+  const Part draft = exact_part(draft_k, draft_v, draft_index, draft_lens, sh, "draft");
+
+  check_index(chunk_ids, chunk_lens, sh.B, "chunk");
+  const size_t want = kind == TOKEN_DROP ? 2 : (kind == KIVI ? 6 : 4);
+  TORCH_CHECK(kind >= TOKEN_DROP && kind <= KIVI && comp.size() == want,
+              "draft_decode_attention: kind 0-3 with 2, 4, 4 or 6 compressed tensors");
+  for (const auto& t : comp) TORCH_CHECK(t.is_contiguous(), "draft_decode_attention: compressed tensors must be contiguous");
+  const at::Tensor& ck = comp[0];
+  const at::Tensor& cv = kind == TOKEN_DROP ? comp[1] : (kind == KIVI ? comp[3] : comp[2]);
+  TORCH_CHECK(ck.dim() == 4 && cv.dim() == 4 && ck.size(2) == sh.Hkv && ck.size(1) == cv.size(1) &&
+                  ck.size(0) == cv.size(0),
+              "draft_decode_attention: compressed k/v must be [NC, rows, Hkv, *]");
+  Compressed cp{kind, ck.size(1), bits, 1, 1, ck.data_ptr(), cv.data_ptr(), nullptr, nullptr, nullptr, nullptr,
+                F32, static_cast<Elem>(round_to), chunk_ids.data_ptr<int64_t>(), chunk_ids.size(1), chunk_lens.data_ptr<int64_t>()};
+  const int64_t nc = ck.size(0), R = cp.rows;
+  auto f16 = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.sizes() == at::IntArrayRef(shape), "draft_decode_attention: ",
+                what, " must be float16 ", at::IntArrayRef(shape));
+    return reinterpret_cast<const uint16_t*>(t.data_ptr());
+  };
+  if (kind == TOKEN_DROP) {
+    TORCH_CHECK(ck.size(3) == sh.D && cv.size(3) == sh.Dv && ck.scalar_type() == cv.scalar_type(),
+                "draft_decode_attention: token-drop rows must be [NC, R, Hkv, D] of one dtype");
+    cp.elem = elem_of(ck, "token-drop rows");
+  } else if (kind == INT8 || kind == FP8) {
+    const auto code = kind == INT8 ? at::kChar : at::kByte;
+    TORCH_CHECK(ck.scalar_type() == code && cv.scalar_type() == code && ck.size(3) == sh.D && cv.size(3) == sh.Dv,
+                "draft_decode_attention: int8 codes must be int8, fp8 codes uint8 bytes, [NC, T, Hkv, D]");
+    cp.k_scale = f16(comp[1], {nc, R, sh.Hkv}, "k_scale");
+    cp.v_scale = f16(comp[3], {nc, R, sh.Hkv}, "v_scale");
+  } else {
+    TORCH_CHECK(bits == 2 || bits == 4, "draft_decode_attention: kivi bits must be 2 or 4");
+    TORCH_CHECK(ck.scalar_type() == at::kByte && cv.scalar_type() == at::kByte && ck.size(3) == sh.D * bits / 8 &&
+                    cv.size(3) == sh.Dv * bits / 8 && sh.D % (8 / bits) == 0 && sh.Dv % (8 / bits) == 0,
+                "draft_decode_attention: kivi codes must be uint8 [NC, T, Hkv, D*bits/8]");
+    const int64_t key_groups = comp[1].dim() == 4 ? comp[1].size(1) : 0;
+    const int64_t value_groups = comp[4].dim() == 4 ? comp[4].size(3) : 0;
+    TORCH_CHECK(key_groups > 0 && R % key_groups == 0 && value_groups > 0 && sh.Dv % value_groups == 0,
+                "draft_decode_attention: kivi scales must be [NC, T/Gk, Hkv, D] and [NC, T, Hkv, Dv/Gv]");
+    cp.key_group = R / key_groups;
+    cp.value_group = sh.Dv / value_groups;
+    cp.k_scale = f16(comp[1], {nc, key_groups, sh.Hkv, sh.D}, "k_scale");
+    cp.k_zero = f16(comp[2], {nc, key_groups, sh.Hkv, sh.D}, "k_zero");
+    cp.v_scale = f16(comp[4], {nc, R, sh.Hkv, value_groups}, "v_scale");
+    cp.v_zero = f16(comp[5], {nc, R, sh.Hkv, value_groups}, "v_zero");
+  }
+  const int64_t* ids = cp.ids;
+  for (int64_t i = 0; i < chunk_ids.numel(); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < nc, "draft_decode_attention: chunk id out of range");
+
+  auto out = at::empty({sh.B, sh.H, sh.Dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, sh.B * sh.Hkv, 1, [&](int64_t begin, int64_t end) {
+    Scratch st(sh);
+    for (int64_t w = begin; w < end; ++w) attend_item(qp, cp, tail, draft, sh, fscale, w / sh.Hkv, w % sh.Hkv, op, st);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sgl_kernel_ext_draft_cpu, m) {
+  m.def(
+      "draft_decode_attention(Tensor q, int kind, int bits, int round_to, Tensor[] comp, Tensor chunk_ids, Tensor chunk_lens, "
+      "Tensor tail_k, Tensor tail_v, Tensor tail_index, Tensor tail_lens, Tensor draft_k, Tensor draft_v, "
+      "Tensor draft_index, Tensor draft_lens, float scale) -> Tensor");
+  m.impl("draft_decode_attention", c10::DispatchKey::CPU, &draft_decode_attention);
+}

@@ -1,0 +1,177 @@
+"""sgl_kernel_ext.cpu_draft_attention: the fused CPU draft-decode kernel over compressed KV read in place.
+
+Every compressor's layout, float32, bfloat16 and float16: the kernel equals float64 softmax attention over the
+torch reference context (compressor.decompress rows | exact tail | draft rows) to float32 rounding,
+with odd lengths, empty tails, no drafts and single chunks; a request's output is bitwise the same
+whatever else is in the batch, wherever it sits, however its index rows are padded, with any thread
+count. Unused pool rows are NaN, so a kernel reading past a request's keys fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_kernel_ext.cpu_draft_attention import (
+    compressed_layer,
+    draft_decode_attention,
+    draft_decode_attention_ref,
+)
+
+from sglang_vericache.compress import CompressorConfig, get_compressor
+from sglang_vericache.compress.registry import COMPRESSOR_NAMES, fp8_supported
+from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
+
+T, HKV, G, D = 16, 2, 4, 64
+SCALE = D**-0.5
+NAMES = [n for n in COMPRESSOR_NAMES if n != "fp8" or fp8_supported()]
+# (compressed chunks, tail rows, draft rows) per request (token drop keeps 5 rows of 16 per chunk):
+# odd totals across 64-key chunk edges,
+# an empty tail, one chunk, no chunk, no drafts
+MIX = [(5, 7, 3), (1, 0, 1), (0, 13, 2), (9, 1, 0), (3, 15, 5)]
+
+
+def rows(n: int, dtype, gen) -> torch.Tensor:
+    return torch.randn(n, HKV, D, generator=gen).to(dtype)
+
+
+def nan_pool(n: int, dtype) -> torch.Tensor:
+    pool = torch.full((n, HKV, D), float("nan"), dtype=dtype)
+    pool[0] = 0  # slot 0: the padding slot, finite
+    return pool
+
+
+class Case:
+    """A compressed pool (one layer) and exact / draft pools holding MIX's requests under shuffled ids."""
+
+    def __init__(self, name: str, dtype: torch.dtype, mix=MIX, seed: int = 0, group_size: int = 8):
+        gen = torch.Generator().manual_seed(seed)
+        cfg = CompressorConfig(name, ratio=3, chunk_size=T, num_layers=1, num_kv_heads=HKV, num_q_heads=HKV * G,
+                               head_dim=D, dtype=dtype, group_size=group_size)
+        self.comp = get_compressor(name, cfg)
+        n_chunks = sum(c for c, _, _ in mix)
+        self.pool = CompressedKVPool(self.comp, num_layers=1, num_chunks=n_chunks + 3)
+        for buf in self.pool.buffers[0].values():  # unused chunks: NaN rows / NaN scales
+            if buf.is_floating_point() and buf.element_size() > 1:
+                buf.fill_(float("nan"))
+        n_tail, n_draft = sum(t for _, t, _ in mix), sum(d for _, _, d in mix)
+        self.tail_k, self.tail_v = nan_pool(n_tail + 5, dtype), nan_pool(n_tail + 5, dtype)
+        self.draft_k, self.draft_v = nan_pool(n_draft + 4, dtype), nan_pool(n_draft + 4, dtype)
+        ids = (torch.randperm(n_chunks + 3, generator=gen)[:n_chunks] + 1).tolist()
+        tail_slots = (torch.randperm(n_tail + 4, generator=gen)[:n_tail] + 1).tolist()
+        draft_slots = (torch.randperm(n_draft + 3, generator=gen)[:n_draft] + 1).tolist()
+        self.reqs = []  # per request: (chunk ids, tail slots, draft slots)
+        for c, t, d in mix:
+            mine = [ids.pop() for _ in range(c)], [tail_slots.pop() for _ in range(t)], [draft_slots.pop() for _ in range(d)]
+            if c:
+                k, v = rows(c * T, dtype, gen).unflatten(0, (c, T)), rows(c * T, dtype, gen).unflatten(0, (c, T))
+                w = self.comp.query_window(0)
+                qw = torch.randn(c, w, HKV * G, D, generator=gen).to(dtype) if w else None
+                pos = torch.arange(c * T).view(c, T)
+                self.pool.write(0, torch.tensor(mine[0]), self.comp.compress(0, k, v, q=qw, positions=pos))
+            for slots, kp, vp in ((mine[1], self.tail_k, self.tail_v), (mine[2], self.draft_k, self.draft_v)):
+                kp[slots], vp[slots] = rows(len(slots), dtype, gen), rows(len(slots), dtype, gen)
+            self.reqs.append(mine)
+        self.q = torch.randn(len(mix), HKV * G, D, generator=gen).to(dtype)
+
+    def run(self, order: list[int] | None = None, pad: int = 0, round_to=None) -> torch.Tensor:
+        """The kernel over requests `order` (default all), index rows padded by `pad` extra columns,
+        dequantized rows rounded to round_to (default: q's dtype, as the torch backend passes)."""
+        round_to = self.q.dtype if round_to is None else round_to
+        order = list(range(len(self.reqs))) if order is None else order
+
+        def table(lists):
+            width = max(len(x) for x in lists) + pad
+            t = torch.zeros(len(lists), width, dtype=torch.int64)
+            for i, x in enumerate(lists):
+                t[i, : len(x)] = torch.tensor(x, dtype=torch.int64)
+            return t, torch.tensor([len(x) for x in lists])
+
+        chunks, tails, drafts = (table([self.reqs[i][p] for i in order]) for p in range(3))
+        layer = compressed_layer(self.pool.layouts[0].kind, self.pool.buffers[0])
+        return draft_decode_attention(self.q[order], layer, *chunks, (self.tail_k, self.tail_v, *tails),
+                                      (self.draft_k, self.draft_v, *drafts), SCALE, round_to)
+
+    def reference(self, round_to=None) -> torch.Tensor:
+        """Softmax attention over [decompress() rows in round_to (default q's dtype) | tail | drafts]."""
+        round_to = self.q.dtype if round_to is None else round_to
+        keys, values = [], []
+        for ids, tail, draft in self.reqs:
+            k, v = self.pool.decompress(0, torch.tensor(ids, dtype=torch.int64))  # float32 rows
+            k, v = k.to(round_to).float(), v.to(round_to).float()
+            keys.append(torch.cat([k, self.tail_k[tail].float(), self.draft_k[draft].float()]))
+            values.append(torch.cat([v, self.tail_v[tail].float(), self.draft_v[draft].float()]))
+        return draft_decode_attention_ref(self.q.float(), keys, values, SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_attention_over_the_torch_reference_context(name, dtype):
+    case = Case(name, dtype)
+    out = case.run()
+    assert out.dtype == torch.float32 and out.shape == (len(MIX), HKV * G, D)
+    assert (out - case.reference()).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("name", ["int8", "kivi4", "fp8"])
+def test_dequantized_rows_are_read_in_float32_or_rounded_as_asked(name):
+    """bf16 pools and queries: float32 rows unless round_to says bf16 / fp16; the two differ."""
+    if name == "fp8" and not fp8_supported():
+        pytest.skip("no torch.float8_e4m3fn")
+    case = Case(name, torch.bfloat16, seed=2)
+    outs = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        outs[dt] = case.run(round_to=dt)
+        assert (outs[dt] - case.reference(round_to=dt)).abs().max().item() < 2e-6
+    assert not torch.equal(outs[torch.float32], outs[torch.bfloat16])
+    assert not torch.equal(outs[torch.bfloat16], outs[torch.float16])
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "int8", "kivi2", "kivi4", "fp8"])
+def test_one_request_one_chunk_and_no_tail_or_draft(name):
+    if name == "fp8" and not fp8_supported():
+        pytest.skip("no torch.float8_e4m3fn")
+    case = Case(name, torch.float32, mix=[(1, 0, 0)], seed=3)
+    assert (case.run() - case.reference()).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("group_size", [4, 16, 32])
+@pytest.mark.parametrize("name", ["kivi2", "kivi4"])
+def test_kivi_groups_narrower_and_wider_than_a_vector(name, group_size):
+    """Value groups of 4 channels (scales expanded per channel) and of 16 / 32; key groups of 4-16 tokens."""
+    case = Case(name, torch.float32, seed=4, group_size=group_size)
+    assert (case.run() - case.reference()).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["pyramidkv", "kivi4", "int8"])
+def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thread(name, dtype):
+    case = Case(name, dtype, seed=1)
+    batch = case.run()
+    for b in range(len(MIX)):
+        assert torch.equal(case.run([b])[0], batch[b])
+        assert torch.equal(case.run([b], pad=7)[0], batch[b])
+    assert torch.equal(case.run([4, 2, 0, 3, 1])[[2, 4, 1, 3, 0]], batch)
+    assert torch.equal(case.run([3, 3, 3])[1], batch[3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(case.run(), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():
+    assert compressed_layer("quantized", {"k": torch.zeros(1, dtype=torch.uint8), "codebook": torch.zeros(1)}) is None
+    assert compressed_layer("product_quantized", {"k": torch.zeros(1), "v": torch.zeros(1)}) is None
+    case = Case("int8", torch.float32, mix=[(1, 2, 1)])
+    ids, tail, draft = case.reqs[0]
+    layer = compressed_layer("quantized", case.pool.buffers[0])
+    one = torch.tensor([1])
+    args = (torch.tensor([ids]), one, (case.tail_k, case.tail_v, torch.tensor([tail]), torch.tensor([2])))
+    draft_part = (case.draft_k, case.draft_v, torch.tensor([draft]), one)
+    with pytest.raises(RuntimeError, match="lens"):
+        draft_decode_attention(case.q, layer, *args[:2], (*args[2][:3], torch.tensor([3])), draft_part, SCALE)
+    with pytest.raises(RuntimeError, match="chunk id out of range"):
+        draft_decode_attention(case.q, layer, torch.tensor([[99]]), one, args[2], draft_part, SCALE)
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        draft_decode_attention(case.q[:, :3], layer, *args, draft_part, SCALE)
