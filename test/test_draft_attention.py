@@ -264,6 +264,69 @@ def test_shared_quantized_chunks_give_the_same_logits_as_private_copies(runner):
     assert (results[0] - results[1]).abs().max().item() < 1e-6
 
 
+# ------------------------------------------------------------------ the fused CPU kernel
+
+
+def draft_batch(runner, compressor: str):
+    """QUANT_LENS's requests, every whole page compressed, j previous drafts each -> (DRAFT_DECODE batch, reqs)."""
+    seqs = [tokens(n + j, seed=60 + i) for i, (n, j) in enumerate(QUANT_LENS)]
+    cpool = make_compressed_pool(runner, compressor, ratio=3, num_chunks=160, group_size=4)
+    draft = DraftPool(runner, num_slots=64)
+    reqs = prefill(runner, [s[: n - 1 + j] for s, (n, j) in zip(seqs, QUANT_LENS)])
+    gen = torch.Generator().manual_seed(0)
+    dreqs = []
+    for req, (n, j) in zip(reqs, QUANT_LENS):
+        req.kv_len = n - 1  # the last j positions become previous drafts
+        d = compress_prefix(runner, cpool, req, (n - 1) // PAGE, random_queries=gen)
+        d.draft_slots = copy_exact_to_draft(
+            runner, draft, runner.req_to_token_pool.req_to_token[req.pool_idx, n - 1 : n - 1 + j])
+        dreqs.append(d)
+    return prepare_draft_batch(runner, cpool, dreqs, [s[-1] for s in seqs], draft), reqs
+
+
+def both_paths(runner, run):
+    """run() through the fused kernel, then through the torch path."""
+    backend = runner.attn_backend
+    try:
+        backend.fused_draft = True
+        fused = run()
+        backend.fused_draft = False
+        return fused, run()
+    finally:
+        backend.fused_draft = None
+
+
+@pytest.mark.parametrize("compressor", ["streamingllm", "pyramidkv", "h2o", "int8", "kivi2", "kivi4", "fp8"])
+def test_fused_kernel_gives_the_torch_paths_draft_logits(runner, compressor):
+    """Per-layer row counts (pyramidkv), value groups narrower than a vector (group 4), previous drafts."""
+    from sglang_vericache.layers.attention.draft_kernel import fused_draft_available
+
+    assert fused_draft_available(), "the fused CPU draft kernel did not build"
+    fb, reqs = draft_batch(runner, compressor)
+    fused, torch_path = both_paths(runner, lambda: runner.forward(fb))
+    release(runner, reqs)
+    assert (fused - torch_path).abs().max().item() < EXACT_ATOL
+    assert torch.equal(fused.argmax(-1), torch_path.argmax(-1))
+
+
+@pytest.mark.parametrize("compressor", ["knorm", "kivi4"])
+def test_fused_kernel_in_bfloat16_reads_the_rows_the_torch_path_reads(checkpoint, compressor):
+    """bf16 attention of one layer, same q / k / v: both paths read dequantized rows rounded to bf16;
+    they differ by the torch path's bf16 arithmetic only (within 2 bf16 ulps of the output)."""
+    runner = make_runner(checkpoint, "bfloat16")
+    fb, reqs = draft_batch(runner, compressor)
+    fb.req_to_token_pool, fb.token_to_kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
+    backend, attn = runner.attn_backend, runner.model.model.layers[1].self_attn.attn
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(fb.batch_size, n * attn.head_dim, generator=gen).to(torch.bfloat16)
+               for n in (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads))
+    backend.init_forward_metadata(fb)
+    fused, torch_path = both_paths(runner, lambda: backend.forward(q, k, v, attn, fb))
+    release(runner, reqs)
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), torch_path.float(), rtol=2**-7, atol=2**-8)
+
+
 # ------------------------------------------------------------------ contract
 
 

@@ -54,14 +54,27 @@ def make_compressed_pool(runner, name: str, ratio: float, num_chunks: int, **opt
     return CompressedKVPool(comp, runner.model_config.num_hidden_layers, num_chunks)
 
 
-def compress_prefix(runner, cpool: CompressedKVPool, req: DriverReq, num_pages: int) -> DraftReq:
-    """Compress the first num_pages pages of req's exact KV (query-free compressors only)."""
+def compress_prefix(
+    runner, cpool: CompressedKVPool, req: DriverReq, num_pages: int, random_queries: torch.Generator | None = None
+) -> DraftReq:
+    """Compress the first num_pages pages of req's exact KV.
+
+    Query-scored compressors (snapkv, pyramidkv, h2o) need the pages' own queries, which only the
+    forward that computed them has: with random_queries they score with random queries instead, so
+    the rows kept are arbitrary but the layout (and so the attention cost) is the real one.
+    """
     t = cpool.chunk_size
     assert num_pages * t <= req.kv_len, "only pages with exact KV can be compressed"
     ids = cpool.alloc(num_pages)
     assert ids is not None, "compressed pool is full"
     slots = runner.req_to_token_pool.req_to_token[req.pool_idx, : num_pages * t]
-    compress_pages(cpool.compressor, runner.token_to_kv_pool, cpool, slots, ids, torch.arange(num_pages * t))
+    comp, cfg = cpool.compressor, cpool.compressor.config
+    queries = None
+    if random_queries is not None:
+        windows = [comp.query_window(layer) for layer in range(cpool.num_layers)]
+        queries = [torch.randn((num_pages, w, cfg.num_q_heads, cfg.head_dim), generator=random_queries).to(cfg.dtype)
+                   if w else None for w in windows]
+    compress_pages(comp, runner.token_to_kv_pool, cpool, slots, ids, torch.arange(num_pages * t), queries)
     return DraftReq(req, ids)
 
 

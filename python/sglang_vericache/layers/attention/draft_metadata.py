@@ -49,6 +49,9 @@ class DraftMetadata:
     tail_valid: torch.Tensor  # [B, S_t] bool
     draft_index: torch.Tensor | None  # [B, S_d] draft-pool slots, 0 = padding; None without drafts
     draft_valid: torch.Tensor | None
+    chunk_lens: torch.Tensor  # [B] int64 chunks per request (the fused kernel reads lengths, not masks)
+    tail_lens: torch.Tensor  # [B]
+    draft_lens: torch.Tensor | None  # [B]; None without drafts
     tail_flat: torch.Tensor = field(init=False)  # position-major [S_t * B]
     draft_flat: torch.Tensor | None = field(init=False)
     compressed: dict[tuple[str, int], CompressedIndex] = field(default_factory=dict)
@@ -90,7 +93,7 @@ def draft_metadata_for(
 ) -> DraftMetadata:
     """The metadata of the draft rows described by ctx (request i = req_pool_indices[i])."""
     bs = len(ctx.comp_ids)
-    chunk_ids, chunk_valid = _pad([ids.to(dev, torch.int64) for ids in ctx.comp_ids], dev)
+    chunk_ids, chunk_valid, chunk_lens = _pad([ids.to(dev, torch.int64) for ids in ctx.comp_ids], dev)
 
     # exact tail: req_to_token[req, start : start + len], gathered from the flattened table
     starts = torch.tensor(ctx.tail_starts(), dtype=torch.int64, device=dev)
@@ -101,20 +104,21 @@ def draft_metadata_for(
     flat = req_pool_indices.to(dev)[:, None] * r2t.shape[1] + starts[:, None] + j
     tail_index = torch.where(tail_valid, r2t.view(-1)[torch.where(tail_valid, flat, 0)], 0)
 
-    draft_index = draft_valid = None
+    draft_index = draft_valid = draft_lens = None
     if ctx.new_kv == "draft":
-        draft_index, draft_valid = _pad([s.to(dev, torch.int64) for s in ctx.draft_slots], dev)
+        draft_index, draft_valid, draft_lens = _pad([s.to(dev, torch.int64) for s in ctx.draft_slots], dev)
     return DraftMetadata(
-        bs, ctx.new_kv, chunk_ids, chunk_valid, tail_index, tail_valid, draft_index, draft_valid
+        bs, ctx.new_kv, chunk_ids, chunk_valid, tail_index, tail_valid, draft_index, draft_valid,
+        chunk_lens, lens, draft_lens,
     )
 
 
-def _pad(seqs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad with 0 -> ([B, max_len] int64, [B, max_len] valid)."""
+def _pad(seqs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad with 0 -> ([B, max_len] int64, [B, max_len] valid, [B] lengths)."""
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=dev)
     padded = pad_sequence(seqs, batch_first=True, padding_value=0)
     valid = torch.arange(padded.shape[1], device=dev)[None, :] < lens[:, None]
-    return padded, valid
+    return padded, valid, lens
 
 
 def _compressed_index(chunk_ids: torch.Tensor, chunk_valid: torch.Tensor, layout: Layout) -> CompressedIndex:

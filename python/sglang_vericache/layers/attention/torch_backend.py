@@ -13,7 +13,9 @@ Two layouts, chosen per forward in init_forward_metadata:
 - ragged: one matmul per request (EXTEND with very uneven lengths), queries split into blocks
   so the score tensor stays below MAX_SCORE_BYTES.
 
-DRAFT_DECODE (drafting over the compressed tier; lossy mode) uses DraftMetadata: per layer,
+DRAFT_DECODE (drafting over the compressed tier; lossy mode) uses DraftMetadata. On a CPU each layer
+is one call of the fused kernel (draft_kernel.py: chunks read and dequantized in place). The torch
+path (the fallback and the reference): per layer,
 one gather per context part (compressed rows, exact tail, draft rows) into a padded
 [B, S_c + S_t + S_d] context, one mask, one SDPA for the batch. Token-drop chunks are gathered
 as stored (exact dtype); quantized chunks are dequantized per layer per forward through
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_vericache.layers.attention.base import AttentionBackend
+from sglang_vericache.layers.attention.draft_kernel import fused_draft_attention, fused_draft_available
 from sglang_vericache.layers.attention.draft_metadata import (
     DraftMetadata,
     build_draft_metadata,
@@ -128,6 +131,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         # --enable-deterministic-inference: every attention goes through the batch-invariant kernel.
         args = getattr(model_runner, "server_args", None)
         self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        # DRAFT_DECODE on a CPU: the fused kernel (draft_kernel.py) when it builds; False = torch path.
+        self.fused_draft: bool | None = None  # None: decided at the first draft forward
+        on_cpu = not str(getattr(model_runner, "device", "cpu")).startswith("cuda")
+        if getattr(args, "kv_compressor", None) and on_cpu:
+            self.fused_draft = fused_draft_available()  # built at start, not at the first draft
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -325,6 +333,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:  # the new token's K/V first: it attends to itself
             pool = ctx.draft_pool if md.new_kv == "draft" else exact
             pool.set_kv_buffer(lid, out_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
+        if self.fused_draft is None:
+            self.fused_draft = q.device.type == "cpu" and fused_draft_available()
+        if self.fused_draft:
+            out = fused_draft_attention(q, layer, ctx, exact, md)
+            if out is not None:
+                return out
         layout = ctx.compressed_pool.layouts[lid]
         ci = md.compressed_index(layout)
         # (K source, V source, position-major flat index) per part; sources are [rows, Hkv, D]

@@ -1,0 +1,86 @@
+"""The fused CPU path of DRAFT_DECODE attention (sgl_kernel_ext.cpu_draft_attention).
+
+One C++ call per layer reads a request's [compressed rows | exact tail | draft rows] where they are
+stored: token-dropped rows as kept, quantized codes (int8, fp8, kivi 2/4) dequantized inside the
+kernel, with no gathered or dequantized copy of the context. Its reduction is batch invariant
+(fixed 64-key chunks in key order, float32 online softmax) and its dequantized rows equal the
+compressors' decompress() rounded to q's dtype (what the torch path's context holds), so it agrees
+with the torch path (torch_backend._forward_draft:
+gathers, dequantized copies and SDPA, or the fixed-chunk kernel under deterministic inference) to
+float32 rounding. Drafts are checked by the verifier, so that is all the agreement they need.
+
+The torch backend takes this path for every DRAFT_DECODE layer on a CPU when the kernel builds
+(once, cached per source and CPU like the deterministic kernel) and the layer's layout is one it
+reads; otherwise the torch path, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang_vericache.layers.attention.draft_metadata import DraftMetadata
+    from sglang_vericache.layers.radix_attention import RadixAttention
+    from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang_vericache.model_executor.forward_batch import DraftContext
+
+logger = logging.getLogger(__name__)
+_kernel_ok: bool | None = None  # None: not tried yet
+_warned: set[str] = set()
+
+
+def fused_draft_available() -> bool:
+    """Whether the fused kernel is built and loaded (tries once per process; warns if it cannot)."""
+    global _kernel_ok
+    if _kernel_ok is None:
+        try:
+            from sgl_kernel_ext import cpu_draft_attention
+
+            cpu_draft_attention.load()
+            _kernel_ok = True
+        except (ImportError, RuntimeError) as exc:
+            logger.warning("draft attention: the fused CPU kernel is unavailable, drafting takes the slower "
+                           "torch path (gathered and dequantized copies): %s", exc)
+            _kernel_ok = False
+    return _kernel_ok
+
+
+def _fits(q: torch.Tensor, layer: RadixAttention) -> str | None:
+    """Why the kernel cannot take this call, or None."""
+    if q.device.type != "cpu":
+        return f"device {q.device.type}"
+    if layer.head_dim % 8 or layer.v_head_dim % 8:
+        return f"head dims {layer.head_dim}/{layer.v_head_dim} are not multiples of 8"
+    return None
+
+
+def fused_draft_attention(
+    q: torch.Tensor,  # [B, H, D]
+    layer: RadixAttention,
+    ctx: DraftContext,
+    exact: MHATokenToKVPool,
+    md: DraftMetadata,
+) -> torch.Tensor | None:
+    """-> [B, H*Dv] in q's dtype; None when the kernel does not read this layer (torch path)."""
+    from sgl_kernel_ext.cpu_draft_attention import compressed_layer, draft_decode_attention
+
+    lid = layer.layer_id
+    pool = ctx.compressed_pool
+    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid])
+    why = _fits(q, layer) or (None if comp is not None else f"{pool.compressor.name}'s layout")
+    if why is not None:
+        if why not in _warned:
+            _warned.add(why)
+            logger.warning("draft attention: the fused CPU kernel does not read %s; torch path", why)
+        return None
+    tail = (exact.get_key_buffer(lid), exact.get_value_buffer(lid), md.tail_index, md.tail_lens)
+    draft = None
+    if md.draft_index is not None:
+        dp = ctx.draft_pool
+        draft = (dp.get_key_buffer(lid), dp.get_value_buffer(lid), md.draft_index, md.draft_lens)
+    # Dequantized rows are read in q's dtype, as the torch path's context holds them.
+    out = draft_decode_attention(q, comp, md.chunk_ids, md.chunk_lens, tail, draft, layer.scaling, q.dtype)
+    return out.to(q.dtype).reshape(q.shape[0], -1)
