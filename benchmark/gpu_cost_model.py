@@ -25,22 +25,45 @@ K keys' KV, Q = sum over queries of the keys each sees, and S staged bytes (exac
 Rows: decode (1 query, L keys), draft (1 query, L/R + j + 1 keys for the j-th draft), verify
 (x + 1 queries, L + x + 1 keys; staged S = L k when the exact KV is on the host, 0 when resident).
 
-The adaptive policy (Policy, what the product's controller does). Per request, per round, an
-option o is decode (resident only), a round of x in DRAFT_LENGTHS drafts, or (host tier only)
-waiting. Averaged over the x + 1 iterations a round takes (x drafts, one verify), option o adds to
-every iteration:
-  e_o  = 1                                     tokens, decode
-       = (1 + A(x)) / (x + 1)                  tokens, round; A(x) = expected accepted drafts
-  the rows' K, Q, q and S above divided by (x + 1) (decode: one row; waiting: nothing).
-The batch's expected iteration is the step formula on the sum of its requests' rows:
-  Theta = sum_o e_o / step(sum of rows)        predicted tokens/s
-Each request, when it starts a round, takes o* = argmax_o Theta(the others' current options + o):
-a round only where it adds more than decoding, a host-tier request only while it adds throughput
-(else it waits). Placement (plan): exact KV stays resident while the device budget holds it, after
-the compressed tier (and draft scratch) of every request that can draft and, once any request is on
-the host, the staging area; the plan is the (residents draft or only decode, number on the host tier,
-their x) with the highest Theta in steady state (every request at context P + O / 2). Full mode is
-one of the plans (residents only decode, none on the host), so the policy never plans below it.
+The adaptive policy (Policy: what the product's controller does; project_gpu.py runs it round by round).
+
+Options. Per request, when it starts a round, with L its committed length:
+  decode          (resident only)   e = 1                      rows: one decode row
+  round of x      (x in DRAFT_LENGTHS, x <= tokens left - 1, and x = tokens left - 1 below the longest)
+                                    e = (1 + A(x)) / (x + 1)   rows: x draft rows + one verify row, / (x + 1)
+                  A(x) = expected accepted drafts of a round of x (the acceptance model's mean)
+                  host tier: the verify row streams S = L k bytes (v = 1 / (x + 1) streamed verifications)
+                  resident:  the verify row reads the exact KV from device memory (S = 0)
+  wait            (host tier only)  e = 0                      rows: none
+e and the rows are per-iteration averages over the x + 1 iterations the round takes.
+
+Theta (Policy.evaluate), the batch's predicted tokens/s with option o added to the others' current ones:
+  R, E_r = the resident options' rows and tokens; H, E_h = the host-tier ones'; v = H's verifications
+  t_v    = (H.S / v) / link_bw                       one streamed verification's link seconds
+  cap    = max(1, floor(step(R + H / v) / t_v))      verifications an iteration carries (its link budget is
+                                                     its own duration x bandwidth; a bigger one takes a slot)
+  s      = min(1, cap / v)                           share of host rounds that run (s < 1: link saturated)
+  Theta  = (E_r + s E_h) / expected_step(R + s H)
+  expected_step: the forward is the step formula on the averaged rows, but a verification's transfer
+  happens inside its own iteration (it is not spread over iterations): with v' = s v per iteration,
+  (1 - frac) * overlap(forward, floor(v') t_v) + frac * overlap(forward, (floor(v') + 1) t_v),
+  frac = v' - floor(v'), overlap(f, l) = max(f, l) + min(f, l) / layers.
+
+Decision (Policy.best): o* = argmax Theta over decode and the rounds (ties: decode, then shorter x); a
+host-tier request waits instead only if waiting gives a higher Theta while the link is not saturated
+(on a saturated link it books a slot; the reservations order the verifications). Maximizing Theta is
+minimizing the batch's expected seconds per emitted token, 1 / Theta; with a linear step time
+t = c0 + sum d_o it is the Dinkelbach rule e_o - Theta * d_o.
+
+Placement (Policy.plan, then admission). Device memory: residents hold their exact KV, plus a compressed
+tier and draft scratch (ceil((P + O) / R) + X + 1) k only if residents may run rounds; host-tier requests
+hold compressed tier + scratch; the staging area once any request is on the host. For drafting residents
+yes / no and every host-tier count n_h, the residents that still fit, every request at P + O / 2 taking
+the best option of its tier: the plan is the highest Theta (ties: fewer drafting, more on the host, which
+on a saturated link is the queue). Full mode is a plan (residents only decode, none on the host), so
+the plan's Theta is never below full's. Admission: a waiting request becomes resident while the plan's
+residents fit, else host tier while the plan's n_h allows and Policy.best would not make it wait; a
+host-tier request whose round ends when a resident place is free (nobody waiting) stays resident.
 """
 
 from __future__ import annotations

@@ -146,6 +146,16 @@ def test_on_a_saturated_link_a_host_round_books_a_slot_instead_of_waiting():
     assert pol.best(b, pol.options(100, resident=False, drafting=True, max_x=2)).kind == "round"
 
 
+def test_residents_fit_beside_the_host_tier_its_staging_and_compressed_tiers():
+    cm = gcm.CostModel(TINY, MEMBOUND, ratio=4)
+    # free 1e6 - 3472 = 996528 B; a host-tier request holds (ceil(106/4) + 2 + 1) * 64 = 1920 B; staging
+    # 2 layers' rows: 2 * 200 * 64 / 2 = 12800 B; a resident 106 * 64 = 6784 B (+ 1920 B if it drafts).
+    assert cm.residents(106, 0, 2, 200, drafting=False) == 146 == cm.full_max_batch(106)
+    assert cm.residents(106, 2, 2, 200, drafting=False) == (996528 - 2 * 1920 - 12800) // 6784 == 144
+    assert cm.residents(106, 2, 2, 200, drafting=True) == (996528 - 2 * 1920 - 12800) // 8704 == 112
+    assert cm.residents(106, 600, 2, 200, drafting=False) == -1  # 600 compressed tiers do not fit
+
+
 def test_plan_is_full_mode_when_rounds_do_not_pay():
     pol = policy(lambda x: 0.0)  # nothing accepted: a round emits 1 token per 3 iterations
     plan = pol.plan(context=100, output=6, max_host=10, staging_tokens=200)
