@@ -200,12 +200,14 @@ class GPU:
 
 
 # Published figures; bf16 dense tensor throughput without sparsity. Sources: NVIDIA H200 datasheet
-# (141 GB HBM3e, 4.8 TB/s); RTX PRO 6000 Blackwell datasheet (96 GB GDDR7, 1792 GB/s, PCIe Gen5 x16;
-# ~500 TFLOP/s bf16 dense is our assumption: half of the sparse FP16/BF16 tensor figure, never
-# measured); H100 NVL datasheet (94 GB HBM3, 3.9 TB/s, 1671 TFLOP/s bf16 with sparsity -> ~835 dense,
-# NVLink bridge 600 GB/s between a pair = 300 GB/s per direction). PCIe Gen5 x16: 64 GB/s raw per
-# direction, ~55 GB/s effective for large copies. RTX PRO 6000 has no NVLink: a TP=2 pair all-reduces
-# over PCIe (~50 GB/s peer-to-peer, assumed). Host memory: 256 GB per device (assumed).
+# (141 GB HBM3e, 4.8 TB/s; the 790 TFLOP/s is kept from the first projection, below the SXM sheet's
+# ~989 dense: decode is memory-bound, so it matters little); RTX PRO 6000 Blackwell datasheet (96 GB
+# GDDR7, 1792 GB/s, PCIe Gen5 x16; ~500 TFLOP/s bf16 dense is an assumption, an eighth of the ~4 PFLOPS
+# sparse FP4 NVIDIA quotes: dense halves it, each wider format halves it again; never measured); H100
+# NVL datasheet (94 GB HBM3, 3.9 TB/s, 1671 TFLOP/s bf16 with sparsity -> ~835 dense, NVLink bridge
+# 600 GB/s between a pair = 300 GB/s per direction). PCIe Gen5 x16: 64 GB/s raw per direction, ~55 GB/s
+# effective for large copies. RTX PRO 6000 has no NVLink: a TP=2 pair all-reduces over PCIe (~50 GB/s
+# peer-to-peer, assumed). Host memory: 256 GB per device (assumed).
 H200 = GPU()
 RTX_PRO_6000 = GPU("RTX PRO 6000", hbm_bytes=96e9, hbm_bw=1.792e12, flops=500e12, nvlink_bw=50e9)
 H100_NVL = GPU("H100 NVL", hbm_bytes=94e9, hbm_bw=3.9e12, flops=835e12, nvlink_bw=300e9)
