@@ -33,6 +33,7 @@ from sglang_vericache.entrypoints.openai.serving_chat import render_prompt, serv
 from sglang_vericache.entrypoints.openai.serving_completions import serve_completion
 from sglang_vericache.entrypoints.openai.serving_responses import serve_responses
 from sglang_vericache.entrypoints.openai.utils import SSE_DONE, json_response, openai_error
+from sglang_vericache.managers.field_policy import check_openai_body
 from sglang_vericache.managers.io_struct import ProfileReq
 from sglang_vericache.managers.metrics import render_prometheus
 from sglang_vericache.managers.req_input import GenerateReqInput
@@ -147,7 +148,9 @@ async def ready() -> Response:
 async def health_generate() -> Response:
     if not tm().is_healthy:
         return Response(status_code=503)
-    obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    obj = GenerateReqInput(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, log_metrics=False
+    )
     obj.normalize()
     gen = tm().generate_request(obj)
     try:
@@ -180,11 +183,14 @@ async def get_model_info() -> Response:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
+            "load_format": m.server_args.load_format,
+            "reasoning_parser": m.server_args.reasoning_parser,
+            "tool_call_parser": m.server_args.tool_call_parser,
+            "disaggregation_mode": "null",  # SGLang's PD disaggregation; ours is --disagg-role
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": cfg.get("model_type"),
             "architectures": cfg.get("architectures"),
-            "tool_call_parser": m.server_args.tool_call_parser,
         }
     )
 
@@ -216,6 +222,23 @@ def _version() -> str:
         return version("sglang-vericache")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         return "0.0.0"
+
+
+@app.get("/get_load")
+async def get_load() -> Response:
+    """SGLang's load report, one entry per data-parallel rank (one here); sglang-router's load
+    monitor reads num_tokens (KV tokens held by running requests) per dp_rank."""
+    stats = await tm().get_stats()
+    return json_response(
+        [
+            {
+                "dp_rank": 0,
+                "num_reqs": stats.num_running_reqs + stats.num_waiting_reqs,
+                "num_waiting_reqs": stats.num_waiting_reqs,
+                "num_tokens": stats.num_used_tokens,
+            }
+        ]
+    )
 
 
 @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -310,10 +333,14 @@ async def metrics() -> Response:
 
 
 async def _parse(request: Request, model_cls):
+    """The body as SGLang's pydantic model (which drops keys it does not know, as SGLang does; we
+    warn once per such name) with the /generate rules for the SGLang extension fields it carries."""
     body = await read_json(request)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    return model_cls.model_validate(body)
+    req = model_cls.model_validate(body)
+    check_openai_body(body, model_cls, request.url.path)
+    return req
 
 
 def _model_card() -> ModelCard:

@@ -1,7 +1,9 @@
 """GenerateReqInput: the /generate body (SGLang's native request), checked field by field.
 
-Unknown fields and wrong types are errors that name the field; nothing is silently dropped.
-SGLang fields this runtime does not implement are accepted only while unset (null/false/empty).
+Every field of SGLang's GenerateReqInput is accepted with its type checked; what each one does here
+(used, ignored with a warning, or refused when set) is managers/field_policy.py's table. Keys SGLang
+does not know are ignored with a warning, as SGLang's server ignores them. Wrong types and
+impossible values are errors that name the field.
 """
 
 from __future__ import annotations
@@ -9,48 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_vericache.sampling.sampling_params import InvalidRequest
-
-# SGLang GenerateReqInput fields we accept only at their "off" value.
-_UNSUPPORTED_IF_SET = (
-    "session_id",
-    "session_params",
-    "lora_path",
-    "lora_id",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "input_embeds",
-    "modalities",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "return_hidden_states",
-    "data_parallel_rank",
-    "routed_dp_rank",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "return_routed_experts",
-    "background",
-    "priority",
-    "extra_key",
-    "cache_salt",
-    "custom_labels",
-    "return_prompt_token_ids",
+from sglang_vericache.managers.field_policy import (
+    GENERATE_FIELDS,
+    SILENT_EXTRA_FIELDS,
+    check_dp_rank,
+    check_field,
+    warn_unknown,
 )
-_KNOWN = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "rid",
-    "stream",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "log_metrics",
-    *_UNSUPPORTED_IF_SET,
-}
+from sglang_vericache.sampling.sampling_params import InvalidRequest
 
 
 def _is_int(v: Any) -> bool:
@@ -59,6 +27,10 @@ def _is_int(v: Any) -> bool:
 
 def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+# Set by normalize(), never read from the body.
+_NORMALIZED = ("is_single", "batch_size")
 
 
 @dataclass
@@ -72,6 +44,10 @@ class GenerateReqInput:
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
+    log_metrics: bool = True  # false: left out of the request metrics (health checks)
+    no_logs: bool = False  # true: no --log-requests lines (zero data retention)
+    return_prompt_token_ids: bool = False  # true: the response carries "prompt_token_ids"
+    routed_dp_rank: int | None = None  # SGLang's DP routing; this server is rank 0 of 1
     # Filled by normalize(): one entry per prompt.
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
@@ -80,13 +56,17 @@ class GenerateReqInput:
     def from_json(cls, body: Any) -> GenerateReqInput:
         if not isinstance(body, dict):
             raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - _KNOWN)
-        if unknown:
-            raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
-        for name in _UNSUPPORTED_IF_SET:
-            if body.get(name) not in (None, False, [], {}):
-                raise InvalidRequest(f"{name} is not supported by this server")
-        obj = cls(**{k: v for k, v in body.items() if k in cls.__dataclass_fields__})
+        warn_unknown(sorted(k for k in body if k not in GENERATE_FIELDS and k not in SILENT_EXTRA_FIELDS),
+                     "/generate")
+        for name, value in body.items():
+            if name in GENERATE_FIELDS:
+                check_field(name, value, "/generate")
+        for name in ("routed_dp_rank", "data_parallel_rank"):
+            check_dp_rank(name, body.get(name))
+        fields = {k: v for k, v in body.items() if k in cls.__dataclass_fields__ and k not in _NORMALIZED}
+        if body.get("routed_dp_rank") is None:
+            fields["routed_dp_rank"] = body.get("data_parallel_rank")  # the old name, still sent by routers
+        obj = cls(**fields)
         obj.normalize()
         return obj
 
@@ -110,10 +90,12 @@ class GenerateReqInput:
                 raise InvalidRequest("input_ids must be a list of integers or a list of lists of integers")
         if not self.is_single and self.batch_size == 0:
             raise InvalidRequest("the batch of prompts is empty")
-        for name in ("stream", "return_text_in_logprobs"):
+        flags = ("stream", "return_text_in_logprobs", "log_metrics", "no_logs", "return_prompt_token_ids")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        self._check_per_item("return_logprob", lambda v: isinstance(v, bool), "a boolean")
+        check_dp_rank("routed_dp_rank", self.routed_dp_rank)
+        self._check_per_item("return_logprob", lambda v: v is None or isinstance(v, bool), "a boolean")
         self._check_per_item("logprob_start_len", lambda v: v is None or _is_int(v), "an integer")
         self._check_per_item(
             "top_logprobs_num",

@@ -32,6 +32,9 @@ class ReqState:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     tokenizer: Any = None
+    log_metrics: bool = True  # false: not observed in the request metrics (health checks)
+    no_logs: bool = False  # true: no --log-requests lines
+    return_prompt_token_ids: bool = False
     created: float = field(default_factory=time.perf_counter)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -151,4 +154,6 @@ class ReqState:
             out["text"] = self.text
         out["output_ids"] = list(self.output_ids)
         out["meta_info"] = meta
+        if self.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(self.prompt_ids)
         return out

@@ -215,8 +215,9 @@ class TokenizerManager(TokenizerRequestsMixin):
         state.update(out, self.tokenizer)
         if state.finished:
             del self.rid_to_state[out.rid]
-            self.metrics.observe_finished(state)
-            if self.log_requests:
+            if state.log_metrics:
+                self.metrics.observe_finished(state)
+            if self.log_requests and not state.no_logs:
                 log_finish(state)
         state.event.set()
 
@@ -236,7 +237,7 @@ class TokenizerManager(TokenizerRequestsMixin):
         states = [s for s, _ in built]
         for state in states:
             self.rid_to_state[state.rid] = state
-            if self.log_requests:
+            if self.log_requests and not state.no_logs:
                 log_receive(state)
         try:
             for _, req in built:
@@ -307,7 +308,8 @@ class TokenizerManager(TokenizerRequestsMixin):
                     # `finished` is read once, before yielding: the state may finish while the
                     # consumer holds an event, and that finish still needs an event of its own.
                     finished = state.finished
-                    if finished or (new > 0 and (state.sent_ids == 0 or new >= self.stream_interval)):
+                    interval = state.params.stream_interval or self.stream_interval
+                    if finished or (new > 0 and (state.sent_ids == 0 or new >= interval)):
                         state.sent_ids = len(state.output_ids)
                         event = state.make_output(final=False)
                         if with_index:

@@ -65,6 +65,9 @@ class TokenizerRequestsMixin:
                     top_logprobs_num=top_n,
                     return_text_in_logprobs=obj.return_text_in_logprobs,
                     tokenizer=self.tokenizer,
+                    log_metrics=obj.log_metrics,
+                    no_logs=obj.no_logs,
+                    return_prompt_token_ids=obj.return_prompt_token_ids,
                 )
                 req = TokenizedGenerateReqInput(
                     rid=rid,

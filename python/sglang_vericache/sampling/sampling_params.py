@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-6
+# SGLang sampling parameters this server cannot honour: accepted while unset (null, or beam_width 1),
+# a 400 naming them when set. Any other name SGLang does not know is a 400 too, as in SGLang.
+_REFUSED_IF_SET = {
+    "beam_width": "beam search is not implemented",
+    "structural_tag": "structural tags are not supported (use json_schema, regex or ebnf)",
+    "custom_params": "custom logit processors are not supported",
+    "watermark": "watermarked sampling is not implemented",
+}
 
 
 class InvalidRequest(ValueError):
@@ -35,6 +43,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    stream_interval: int | None = None  # tokens per streamed event; None: the server's --stream-interval
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -42,6 +51,10 @@ class SamplingParams:
         if d is not None and not isinstance(d, dict):
             raise InvalidRequest(f"sampling_params must be an object, got {type(d).__name__}")
         d = dict(d or {})
+        for name, why in _REFUSED_IF_SET.items():
+            value = d.pop(name, None)
+            if value is not None and not (name == "beam_width" and value == 1 and value is not True):
+                raise InvalidRequest(f"sampling_params.{name} is not supported by this server: {why}")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(d) - set(known))
         if unknown:
@@ -88,6 +101,7 @@ class SamplingParams:
             v = getattr(self, name)
             need(name, v is None or isinstance(v, str), "a string")
         need("sampling_seed", self.sampling_seed is None or is_int(self.sampling_seed), "an integer")
+        need("stream_interval", self.stream_interval is None or is_int(self.stream_interval), "an integer")
 
         def is_token_key(k: object) -> bool:
             return is_int(k) or (isinstance(k, str) and k.strip().removeprefix("-").isdecimal())
@@ -140,6 +154,8 @@ class SamplingParams:
                 )
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
             raise InvalidRequest("only one of regex, json_schema and ebnf may be set")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise InvalidRequest(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
             raise InvalidRequest(f"sampling_seed must be in [0, 2^63), got {self.sampling_seed}")
 
