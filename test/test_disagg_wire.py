@@ -26,7 +26,7 @@ import zmq
 from test_disagg import args, batch, free_port, full_greedy, llama, requests, run, wait_up  # noqa: F401
 
 from sglang_vericache.disagg import messages as m
-from sglang_vericache.disagg import remote_verify
+from sglang_vericache.disagg import verifier_link
 from sglang_vericache.disagg.verifier import VerifierServer
 from sglang_vericache.disagg.wire import (
     PROTOCOL_VERSION,
@@ -332,7 +332,7 @@ def test_a_newer_drafter_is_refused_with_both_versions(llama, batch, monkeypatch
     server = VerifierServer(args(llama, disagg_role="verifier", disagg_port=free_port()))
     thread = start(server)
     try:
-        monkeypatch.setattr(remote_verify, "Codec", functools.partial(Codec, version=2))
+        monkeypatch.setattr(verifier_link, "Codec", functools.partial(Codec, version=2))
         d = drafter_sched(llama, server.addr)
         want = (f"verifier at {server.addr} speaks disagg wire protocol version 1; this drafter speaks "
                 "version 2 (run the same sglang-vericache version on both instances)")
