@@ -14,7 +14,7 @@
 
 Exactness: both sides sample with the same counter-based noise of (seed, position, logits), so the
 drafter's first token (from its own exact prefill) and the verifier's choices are what full mode
-picks; the drafter emits with VeriCacheWorker.after_verify unchanged.
+picks; the drafter commits each result with VeriCacheRound.commit, the single-instance commit.
 
 Faults: every message carries the verifier's epoch. A verifier that goes silent for
 --disagg-timeout seconds, or answers with a new epoch (a restart), fails the drafter's requests

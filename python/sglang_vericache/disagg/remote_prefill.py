@@ -16,9 +16,10 @@ exact KV:
               adopted by the cache (and written through to the store), the token is emitted as a
               prefill's first token, and the request starts drafting.
 
-Per request (meta): _exact_from = kv_from (exact slots exist from here on; positions before it
-have none, and nothing reads them: drafting reads compressed pages and the exact tail past them,
-and verification is remote); _cpc_keys = the cache pages it holds locked (comp_indices[:len]).
+Per request (Req.remote_prefill, a RemotePrefillState): exact_from = kv_from (exact slots exist
+from here on; positions before it have none, and nothing reads them: drafting reads compressed
+pages and the exact tail past them, and verification is remote); held_keys = the cache pages it
+holds locked (comp_indices[:len]); its page keys and prefetch.
 The drafter's messages and the first token are exactly what local prefill would give: the verifier
 samples it as full mode does, and the KV it sends is the exact KV.
 """
@@ -29,6 +30,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
@@ -46,6 +48,24 @@ logger = logging.getLogger(__name__)
 
 WAIT_MS = 20  # longest wait for a prefill result (or a prefetch) when nothing else can run
 PREFETCH_AHEAD = 4  # waiting requests whose pages are fetched ahead of their admission
+
+
+@dataclass
+class RemotePrefillState:
+    """Req.remote_prefill: a request's way through RemotePrefill (and CompressedPrefixCache)."""
+
+    page_keys: list[str] | None = None  # hash-chain keys of the prompt's whole pages before its last token
+    fetch_started: bool = False  # prefetch looked at it (fetch None: nothing it lacks was fetched for it)
+    fetch: Future | None = None
+    exact_from: int | None = None  # admitted: its exact slots start here (= kv_from)
+    held_keys: list[str] = field(default_factory=list)  # cache pages it holds locked
+    sent_at: float | None = None  # when its OpenSession went out
+
+
+def prefill_state(req: Req) -> RemotePrefillState:
+    if req.remote_prefill is None:
+        req.remote_prefill = RemotePrefillState()
+    return req.remote_prefill
 
 
 class RemotePrefill:
@@ -79,6 +99,7 @@ class RemotePrefill:
 
     def step(self) -> None:
         """Applies the prefills that arrived, drops cancelled ones, admits waiting requests."""
+        self.arrived += [r for r in self.worker.take_prefill_results() if r.rid in self.prefilling]
         now = time.perf_counter()
         ready = [r for r in self.arrived if r.meta.get("ready_at", 0.0) <= now]  # --disagg-bandwidth
         self.arrived = [r for r in self.arrived if r.meta.get("ready_at", 0.0) > now]
@@ -106,7 +127,7 @@ class RemotePrefill:
         if req.finished:
             return
         req.finished_reason = {"type": "abort", "message": message}
-        self.s.release(req)
+        self.s.output.release(req)
 
     # ------------------------------------------------------------------ admission
 
@@ -140,8 +161,9 @@ class RemotePrefill:
             req.req_pool_idx = s.req_to_token_pool.alloc()
             req.comp_indices, req.comp_prefix_len = ids, prefix
             req.kv_committed_len = req.kv_allocated_len = prefix
-            req.meta.update(_exact_from=prefix, _cpc_keys=held)
-            if s.alloc_slots(req, n_prompt - prefix) is None:  # reserve() checked the room
+            st = prefill_state(req)
+            st.exact_from, st.held_keys = prefix, held
+            if s.memory.alloc_slots(req, n_prompt - prefix) is None:  # reserve() checked the room
                 raise RuntimeError("exact slots vanished between reserve and alloc")
             req.cached_tokens = prefix
             req.meta["compressed_prefix_tokens"] = prefix
@@ -151,12 +173,12 @@ class RemotePrefill:
                 self.drop(req, f"verifier at {self.worker.link.addr} is not reachable")
                 continue
             self.prefilling[req.rid] = req
-            req.meta["_prefill_sent"] = time.perf_counter()
+            st.sent_at = time.perf_counter()
             self.stats["prefills_requested"] += 1
 
     def fail_waiting(self, req: Req, message: str) -> None:
         req.finished_reason = {"type": "abort", "message": message}
-        self.s.emit(req)
+        self.s.output.emit(req)
 
     def reserve(self, req: Req, n_prefix_pages: int) -> bool:
         """Room for req's prompt past its compressed prefix (exact slots; chunks for its whole pages)
@@ -180,10 +202,11 @@ class RemotePrefill:
 
     def keys(self, req: Req) -> list[str]:
         """Hash-chain keys of the prompt's whole pages before its last token."""
-        if "_keys" not in req.meta:
+        st = prefill_state(req)
+        if st.page_keys is None:
             n = (len(req.origin_input_ids) - 1) // self.P * self.P
-            req.meta["_keys"] = page_keys(req.origin_input_ids[:n], self.namespace)
-        return req.meta["_keys"]
+            st.page_keys = page_keys(req.origin_input_ids[:n], self.namespace)
+        return st.page_keys
 
     def prefetch(self) -> None:
         """Collects landed fetches, then starts one for each of the first waiting requests whose
@@ -192,27 +215,29 @@ class RemotePrefill:
         if self.fetcher is None:
             return
         for req in list(self.s.waiting_queue)[:PREFETCH_AHEAD]:
-            if "_fetch" in req.meta:
+            st = prefill_state(req)
+            if st.fetch_started:
                 continue
             keys = self.keys(req)
             start = len(self.cache.match(keys))
             if start == len(keys):
-                req.meta["_fetch"] = None  # all cached: nothing to fetch
+                st.fetch_started = True  # all cached: nothing to fetch
             elif keys[start] not in self.fetching_keys:  # else: wait for the fetch that brings it
                 missing = keys[start:]
                 future = self.fetcher.submit(self.s.prefix_store.fetch_compressed, missing)
                 self.fetches.append((future, keys, start, req))
                 self.fetching_keys.update(missing)
-                req.meta["_fetch"] = future
+                st.fetch_started, st.fetch = True, future
 
     def fetch_pending(self, req: Req) -> bool:
         """True while req's fetch, or one bringing a page it misses, is in flight."""
         if self.fetcher is None:
             return False
         self.prefetch()  # req is at the head of the queue: started now if it was waiting on another
-        if "_fetch" not in req.meta:
+        st = prefill_state(req)
+        if not st.fetch_started:
             return True  # a fetch started for another request brings its first missing page
-        mine = req.meta["_fetch"]
+        mine = st.fetch
         return mine is not None and any(f is mine for f, *_ in self.fetches)  # not collected yet
 
     def collect(self) -> None:
@@ -240,10 +265,6 @@ class RemotePrefill:
 
     # ------------------------------------------------------------------ results
 
-    def on_message(self, res: PrefillResult) -> None:
-        if res.rid in self.prefilling:
-            self.arrived.append(res)
-
     def apply(self, res: PrefillResult) -> None:
         s = self.s
         req = self.prefilling.pop(res.rid, None)
@@ -266,26 +287,28 @@ class RemotePrefill:
             self.adopt(req)
             if s.prefix_store is not None:
                 s.prefix_store.write_through(req)
-        req.meta["remote_prefill_s"] = round(time.perf_counter() - req.meta.pop("_prefill_sent"), 6)
+        st = req.remote_prefill
+        req.meta["remote_prefill_s"] = round(time.perf_counter() - st.sent_at, 6)
         if req.return_logprob:
             req.input_token_logprobs = list(res.input_token_logprobs or [])
             req.input_top_logprobs = list(res.input_top_logprobs or [])
         req.input_logprobs_done = True
-        s.metrics.num_prompt_tokens_total += n_prompt - req.meta["_exact_from"]
+        s.metrics.num_prompt_tokens_total += n_prompt - st.exact_from
         if res.token < 0:  # max_new_tokens == 0
             req.finished_reason = {"type": "length", "length": 0}
-            s.release(req)
+            s.output.release(req)
             return
         top = res.top_logprobs or []
         tops = ([[v for v, _ in top]], [[i for _, i in top]])
-        s.append_tokens(req, [res.token], [res.logprob], tops, 0)
+        s.output.append_tokens(req, [res.token], [res.logprob], tops, 0)
         if not req.finished:
             s.running.append(req)
-        s.finish_round([req])
+        s.output.finish_round([req])
 
     def adopt(self, req: Req) -> None:
         """Gives the prompt's newly folded whole pages to the cache (req keeps them locked)."""
-        P, keys = self.P, req.meta["_cpc_keys"]
+        P, st = self.P, req.remote_prefill
+        keys = st.held_keys
         n = len(keys)
         n_pages = min(len(req.comp_indices), (len(req.origin_input_ids) - 1) // P)
         if n_pages <= n:
@@ -293,4 +316,4 @@ class RemotePrefill:
         all_keys = page_keys(req.origin_input_ids[: n_pages * P], self.namespace)
         taken = self.cache.insert(all_keys, req.comp_indices[n:n_pages], n)
         self.cache.lock(all_keys[n : n + taken])
-        req.meta["_cpc_keys"] = all_keys[: n + taken]
+        st.held_keys = all_keys[: n + taken]

@@ -1,15 +1,16 @@
 """The drafter side of dual-instance VeriCache (--disagg-role drafter): remote, non-blocking verify.
 
-RemoteVerifyWorker is a VeriCacheWorker whose verify step is a VerifyRun message. Per scheduler
-decode iteration (run_round), with results applied as they arrive:
+RemoteVerifyWorker drives VeriCacheRound (speculative/vericache_round.py) with a remote verify step:
+the round's drafts go out as a VerifyRun message. Per scheduler decode iteration (step), with
+results applied as they arrive:
   - requests with a run in flight are skipped; every other running request takes ONE draft step
     (so results and new requests are handled between steps), and a request whose round is
     drafted sends its VerifyRun right away;
   - when nothing is left to draft, the scheduler waits (poll with a timeout) on the verifier and
     the tokenizer sockets together.
-A result is applied with VeriCacheWorker.after_verify itself (accept, emit with stop checks,
-commit, fold, finish): sample_targets is replaced by the verifier's answer, rebuilt as a target
-row per draft ([d_1..d_j, p_j, p_j...], whose accepted length is j because p_j != d_{j+1}).
+A result's exact KV goes to fresh slots, and the result becomes the round's Verdict (accepted j,
+tokens d_1..d_j + the correction, the verifier's logprobs), which VeriCacheRound.commit applies as
+it applies a local verification (emit with stop checks, commit, fold, finish).
 
 The drafter's KV (a design choice, with its cost):
   - prompt: prefilled here as in single-instance VeriCache (exact KV in the host tier, folded into
@@ -35,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -43,29 +45,37 @@ from sglang_vericache.constrained.grammar_backend import grammar_key
 from sglang_vericache.disagg.messages import CloseSession, OpenSession, Pong, PrefillResult, VerifyResult, VerifyRun
 from sglang_vericache.disagg.verifier_link import VerifierLink
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
-from sglang_vericache.server_args import parse_bytes
-from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
+from sglang_vericache.server_args import ServerArgs, parse_bytes
+from sglang_vericache.speculative.vericache_round import Verdict
 
 if TYPE_CHECKING:
+    from sglang_vericache.managers.request_memory import RequestMemory
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.speculative.vericache_round import VeriCacheRound
 
 logger = logging.getLogger(__name__)
 
 WAIT_MS = 20  # longest wait for a result when every running request has a run in flight
 
 
-class RemoteVerifyWorker(VeriCacheWorker):
-    def __init__(self, scheduler: Scheduler):
-        super().__init__(scheduler)
-        s = scheduler
-        if s.two_tier.needs_queries:
+class RemoteVerifyWorker:
+    def __init__(self, args: ServerArgs, round: VeriCacheRound, memory: RequestMemory, running: list[Req],
+                 exact_pool, abort: Callable[[Req, str], None], recv_socket=None, prefix_store=None):
+        if round.two_tier.needs_queries:
             raise ValueError(
-                f"--disagg-role drafter cannot use --kv-compressor {s.server_args.kv_compressor}: it scores "
+                f"--disagg-role drafter cannot use --kv-compressor {args.kv_compressor}: it scores "
                 "pages with the verify pass's queries, which stay on the verifier (use a query-free "
                 "compressor: streamingllm, knorm, kivi2, kivi4, int8, fp8)")
-        self.link = VerifierLink(s.server_args.verifier_addr, s.server_args.disagg_timeout,
-                                 s.server_args.disagg_secret)
+        self.args = args
+        self.round = round
+        self.memory = memory
+        self.running = running
+        self.exact_pool = exact_pool
+        self.abort = abort  # ends a request with an error, wherever it is (Scheduler.abort)
+        self.recv_socket = recv_socket  # the tokenizer's: a wait for results wakes for new requests too
+        self.prefix_store = prefix_store
+        self.link = VerifierLink(args.verifier_addr, args.disagg_timeout, args.disagg_secret)
+        self.prefill_results: list[PrefillResult] = []  # for RemotePrefill (disagg/remote_prefill.py)
         self.sessions: dict[str, Req] = {}  # rid -> request holding a session on the verifier
         self.inflight: dict[str, tuple[int, float]] = {}  # rid -> (round id, sent at)
         self.arrived: dict[str, VerifyResult] = {}
@@ -104,7 +114,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
             return self.link.refused, 503
         if not self.link.up:
             return f"verifier at {self.link.addr} is not reachable", 503
-        if self.s.server_args.disagg_prefill == "verifier":
+        if self.args.disagg_prefill == "verifier":
             return None  # opened at admission, with the compressed prefix it then has (remote_prefill.py)
         if not self.send_open(req):
             return f"verifier at {self.link.addr} is not reachable", 503
@@ -121,26 +131,17 @@ class RemoteVerifyWorker(VeriCacheWorker):
         if not ok:
             return False
         self.sessions[req.rid] = req
-        req.meta["_retractions"] = req.num_retractions
-        req.meta["_first_round"] = self.stagger and self.num_opened % 2
+        req.spec.retractions_at_open = req.num_retractions
+        req.spec.half_first_round = bool(self.stagger and self.num_opened % 2)
         self.num_opened += 1
         return True
 
     def fail(self, req: Req, message: str) -> None:
         """Ends req with an abort carrying message (now if it waits, at the next step if it runs)."""
-        s = self.s
         self.forget(req.rid)
         self.stats["requests_failed"] += 1
-        if req.finished:
-            return
-        if req in s.waiting_queue:
-            s.waiting_queue.remove(req)
-            if req.req_pool_idx is not None:
-                s.tree_cache.cache_finished_req(req)
-            req.finished_reason = {"type": "abort", "message": message}
-            s.emit(req)
-        else:
-            req.to_abort = message  # running or chunked: Scheduler.drop_aborted releases it
+        if not req.finished:
+            self.abort(req, message)
 
     def forget(self, rid: str) -> None:
         self.sessions.pop(rid, None)
@@ -165,7 +166,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
             self.fail_all(f"verifier at {self.link.addr} went away (no answer for {self.link.timeout:g} s)")
         self.close_finished()
         for rid, req in list(self.sessions.items()):
-            if req.num_retractions != req.meta["_retractions"]:
+            if req.num_retractions != req.spec.retractions_at_open:
                 self.link.send(CloseSession(rid, self.link.epoch or 0))
                 self.fail(req, "retracted on the drafter (out of KV memory); the dual-instance mode cannot "
                                "resume a request whose verifier session went ahead of it")
@@ -188,8 +189,7 @@ class RemoteVerifyWorker(VeriCacheWorker):
         if isinstance(msg, (PrefillResult, VerifyResult)) and msg.k is not None:
             self.book_rx(msg)
         if isinstance(msg, PrefillResult):
-            if self.s.remote_prefill is not None:
-                self.s.remote_prefill.on_message(msg)
+            self.prefill_results.append(msg)
             return
         if not isinstance(msg, VerifyResult):
             logger.warning("drafter got an unknown message %r", type(msg).__name__)
@@ -203,14 +203,18 @@ class RemoteVerifyWorker(VeriCacheWorker):
             self.arrived[msg.rid] = msg
             self.trace_event("result", [msg.rid])
 
+    def take_prefill_results(self) -> list[PrefillResult]:
+        out, self.prefill_results = self.prefill_results, []
+        return out
+
     def book_rx(self, msg) -> None:
         """--disagg-bandwidth: msg's KV is usable once the drafter's link has carried it
         (meta["ready_at"]); the link is the store's when both flags name the same rate."""
-        args = self.s.server_args
+        args = self.args
         if args.disagg_bandwidth is None:
             return
         if self.rx_link is None:
-            store = self.s.prefix_store.store if self.s.prefix_store is not None else None
+            store = self.prefix_store.store if self.prefix_store is not None else None
             same = args.kv_store_bandwidth is not None and (
                 parse_bytes(args.kv_store_bandwidth) == parse_bytes(args.disagg_bandwidth))
             self.rx_link = store.link if same and isinstance(store, ThrottledStore) else LinkThrottle(
@@ -224,44 +228,45 @@ class RemoteVerifyWorker(VeriCacheWorker):
 
     # ------------------------------------------------------------------ rounds
 
-    def run_round(self, reqs: list[Req]) -> None:
-        s = self.s
+    def step(self) -> None:
+        r = self.round
+        self.memory.make_room(lambda req: r.plan(req) + 1)
+        reqs = list(self.running)
         self.apply_arrived()
-        live = [r for r in reqs if r.rid in self.sessions and not r.finished and not r.to_abort]
-        idle = [r for r in live if r.rid not in self.inflight]
-        for r in idle:
-            if "_round" not in r.meta:
-                self.start_round(r)
-        drafting = [r for r in idle if self.is_drafting(r)]
+        live = [req for req in reqs if req.rid in self.sessions and not req.finished and not req.to_abort]
+        idle = [req for req in live if req.rid not in self.inflight]
+        for req in idle:
+            if req.spec.round_started_at is None:
+                self.start_round(req)
+        drafting = [req for req in idle if r.is_drafting(req)]
         if drafting:
-            fb = self.draft_batch(drafting)
-            self.after_draft(drafting, s.forward(fb, "draft"))
+            r.run(drafting=drafting)
             self.stats["draft_forwards"] += 1
             if self.inflight:
                 self.stats["draft_forwards_while_inflight"] += 1
-            self.trace_event("draft", [r.rid for r in drafting])
-        for r in idle:
-            if not self.is_drafting(r) and not r.to_abort:
-                self.send_run(r)
+            self.trace_event("draft", [req.rid for req in drafting])
+        for req in idle:
+            if not r.is_drafting(req) and not req.to_abort:
+                self.send_run(req)
         if not drafting:  # everyone waits on the verifier: sleep until it (or a new request) speaks
             poller = zmq.Poller()
             poller.register(self.link.sock, zmq.POLLIN)
-            if s.recv_socket is not None:
-                poller.register(s.recv_socket, zmq.POLLIN)
+            if self.recv_socket is not None:
+                poller.register(self.recv_socket, zmq.POLLIN)
             poller.poll(WAIT_MS)
             for msg in self.link.recv():
                 self.on_message(msg)
             self.apply_arrived()
 
     def start_round(self, req: Req) -> None:
-        super().start_round(req)
-        req.meta["_round"] = time.perf_counter()
-        if req.meta.pop("_first_round", 0):
-            req.draft_target = req.draft_target // 2
+        st = req.spec
+        x = self.round.plan(req)
+        self.round.start(req, x // 2 if st.half_first_round else x)
+        st.round_started_at, st.half_first_round = time.perf_counter(), False
 
     def send_run(self, req: Req) -> None:
         rid, round_id = req.rid, next(self.round_ids)
-        tokens = [req.output_ids[-1]] + req.drafts
+        tokens = [req.output_ids[-1]] + req.spec.drafts
         run = VerifyRun(rid, round_id, len(req.output_ids), tokens, self.link.epoch or 0)
         if not self.link.send(run):
             self.fail(req, f"verifier at {self.link.addr} went away (not reachable)")
@@ -271,45 +276,33 @@ class RemoteVerifyWorker(VeriCacheWorker):
         self.trace_event("send", [rid])
 
     def apply_arrived(self) -> None:
-        """Applies the results that arrived, with after_verify (exact KV written to fresh slots first)."""
-        s = self.s
-        group, draft_s, verify_s = [], 0.0, 0.0
-        kv = s.model_runner.token_to_kv_pool
+        """Commits the results that arrived: their exact KV into fresh slots, then each result as
+        its round's Verdict through VeriCacheRound.commit."""
+        kv = self.exact_pool
+        verdicts, draft_s, verify_s = [], 0.0, 0.0
         now = time.perf_counter()
         for rid in list(self.arrived):
             if self.arrived[rid].meta.get("ready_at", 0.0) > now:
                 continue  # still crossing the drafter's link (--disagg-bandwidth)
             res, req = self.arrived.pop(rid), self.sessions[rid]
-            t_start = req.meta.pop("_round")
+            st = req.spec
+            t_start, st.round_started_at = st.round_started_at, None
             _, t_sent = self.inflight.pop(rid)
-            m = res.accepted + 1
-            slots = s.alloc_slots(req, len(req.drafts) + 1)
+            d, j = st.drafts, res.accepted
+            kv_start = req.kv_committed_len
+            slots = self.memory.alloc_slots(req, len(d) + 1)
             if slots is None:
                 self.fail(req, "the drafter ran out of KV memory")
                 continue
             for layer in range(kv.num_layers):
-                kv.set_kv_buffer(layer, slots[:m], res.k[layer], res.v[layer])
+                kv.set_kv_buffer(layer, slots[: j + 1], res.k[layer], res.v[layer])
             self.stats["round_kv_bytes"] += 2 * res.k.numel() * res.k.element_size()
-            req.meta["_result"] = res
-            group.append(req)
+            verdicts.append(Verdict(req, len(d), j, d[:j] + [res.correction], res.logprobs, res.top_logprobs,
+                                    kv_start))
             draft_s += t_sent - t_start
             verify_s += time.perf_counter() - t_sent
-        if group:
-            self.stats["results_applied"] += len(group)
-            self.after_verify(group, None, None, draft_s=draft_s / len(group), verify_s=verify_s / len(group))
+        if verdicts:
+            n = len(verdicts)
+            self.stats["results_applied"] += n
+            self.round.commit(verdicts, draft_s=draft_s / n, verify_s=verify_s / n)
             self.close_finished()
-
-    def sample_targets(self, group: list[Req], logits):
-        """The verifier's answers as after_verify's target rows (logits is None here)."""
-        targets, lps, vals, idx = [], [], [], []
-        for r in group:
-            res: VerifyResult = r.meta.pop("_result")
-            d, j, n_rows = r.drafts, res.accepted, len(r.drafts) + 1
-            targets += d[:j] + [res.correction] * (n_rows - j)
-            lps += (res.logprobs or []) + [0.0] * (n_rows - len(res.logprobs or []))
-            tv, ti = res.top_logprobs or ([], [])
-            vals += list(tv) + [[]] * (n_rows - len(tv))
-            idx += list(ti) + [[]] * (n_rows - len(ti))
-        want_lp = any(r.return_logprob for r in group)
-        want_top = any(r.return_logprob and r.top_logprobs_num for r in group)
-        return targets, (lps if want_lp else None), ((vals, idx) if want_top else None)

@@ -9,15 +9,17 @@ instead of the tokenizer-facing event loop:
     prefill   one prefill batch per iteration (its first token is sampled as the drafter's own
               prefill samples it; the first VerifyRun must start with that token, or the session
               is out of sync and fails).
-    verify    every prefilled session with a pending run, in ONE TARGET_VERIFY forward; targets are
-              sampled by VeriCacheWorker.sample_targets (same seed/positions/penalties as the
-              drafter and as full mode); j = accepted_length; the KV of t_n, d_1..d_j is committed
-              (and sent back), the rejected slots freed.
+    verify    every prefilled session with a pending run, in ONE TARGET_VERIFY forward of the
+              scheduler's VeriCacheRound (speculative/vericache_round.py): the same verify inputs,
+              target sampling (seed/positions/penalties as the drafter and as full mode),
+              acceptance and commit as a single instance's round; the KV of t_n, d_1..d_j is
+              committed (and sent back), the rejected slots freed.
     expire    a drafter not heard from for --disagg-timeout seconds loses its sessions.
 
 Invariant per session (as in Req): between rounds, output_ids equals the drafter's and
 kv_committed_len == seqlen - 1. Stop conditions are the drafter's business (it closes the session
-when the request ends); the verifier commits j + 1 positions every round.
+when the request ends): the verifier's scheduler emits into a RecordingSink (managers/output_sink.py),
+which checks no stop and streams nothing, so every round commits j + 1 positions.
 """
 
 from __future__ import annotations
@@ -45,24 +47,13 @@ from sglang_vericache.disagg.wire import TO_VERIFIER, Codec, DropLog, VersionMis
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.sampling.sampling_params import InvalidRequest
 from sglang_vericache.server_args import ServerArgs
-from sglang_vericache.speculative.acceptance import accepted_length
-from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 MAX_FRAME_BYTES = 64 << 20  # drafters send token ids only: a larger frame closes its connection
-
-
-class _TargetSampler(VeriCacheWorker):
-    """VeriCacheWorker's verify inputs and target sampling, without its draft pool (the verifier
-    never drafts)."""
-
-    def __init__(self, scheduler: Scheduler):  # no super().__init__: it would allocate the draft pool
-        self.s = scheduler
 
 
 @dataclass(eq=False)
@@ -87,7 +78,6 @@ class VerifierServer:
                              "(no --kv-compressor / --speculative-algorithm)")
         self.args = server_args
         self.sched = scheduler if scheduler is not None else Scheduler(server_args)
-        self.targets = _TargetSampler(self.sched)
         self.epoch = new_epoch()
         self.timeout = server_args.disagg_timeout
         # A private context, terminated when serve_forever ends: term() waits until the port is
@@ -146,7 +136,6 @@ class VerifierServer:
         ready = self.ready_sessions()
         if ready:
             self.verify(ready)
-        s.outbox.clear()  # the drafter streams to the client; nothing goes out from here
 
     def receive(self) -> None:
         while True:
@@ -331,42 +320,28 @@ class VerifierServer:
             group.append(sess)
         if not group:
             return
-        reqs = [x.req for x in group]
         for sess in group:
-            sess.req.drafts, sess.req.draft_masks = list(sess.pending.tokens[1:]), []
-        items, input_ids, positions, out_loc = self.targets.verify_inputs(reqs)
-        fb = s.make_forward_batch(ForwardMode.TARGET_VERIFY, items, input_ids, positions, out_loc)
-        fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
-        logits = s.forward(fb, "verify")
-        targets, lps, tops = self.targets.sample_targets(reqs, logits)
+            sess.req.spec.start(len(sess.pending.tokens) - 1)
+            sess.req.spec.drafts = list(sess.pending.tokens[1:])
+        verdicts = s.round.run(resident=[x.req for x in group])
         self.stats["verify_forwards"] += 1
         kv = s.model_runner.token_to_kv_pool
-        row = 0
-        for sess in group:
-            run, req = sess.pending, sess.req
-            d, n_rows = req.drafts, len(req.drafts) + 1
-            j = accepted_length(d, targets[row : row + n_rows])
-            m = j + 1
-            n = req.kv_committed_len
-            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, n : n + m]
+        for sess, v in zip(group, verdicts):
+            run, req, m = sess.pending, sess.req, v.accepted + 1
+            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, v.kv_start : v.kv_start + m]
             res = VerifyResult(
-                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=j,
-                correction=targets[row + j],
+                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=v.accepted,
+                correction=v.correction,
                 k=torch.stack([kv.k_buffer[layer][slots] for layer in range(kv.num_layers)]),
                 v=torch.stack([kv.v_buffer[layer][slots] for layer in range(kv.num_layers)]),
             )
             if req.return_logprob:
-                res.logprobs = lps[row : row + m]
+                res.logprobs = v.logprobs[:m]
                 if req.top_logprobs_num:
-                    res.top_logprobs = (tops[0][row : row + m], tops[1][row : row + m])
-            req.output_ids.extend(d[:j] + [targets[row + j]])
-            req.kv_committed_len += m
-            s.truncate_slots(req, req.kv_committed_len)
-            req.drafts = []
+                    res.top_logprobs = (v.top_logprobs[0][:m], v.top_logprobs[1][:m])
             sess.pending = None
             self.stats["runs_verified"] += 1
             self.send(sess.drafter, res)
-            row += n_rows
 
 
 def run_verifier(server_args: ServerArgs) -> None:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sglang_vericache.managers.io_struct import TokenizedGenerateReqInput
 from sglang_vericache.sampling.sampling_params import SamplingParams
+from sglang_vericache.speculative.round_state import VeriCacheState
+
+if TYPE_CHECKING:
+    from sglang_vericache.disagg.remote_prefill import RemotePrefillState
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -61,13 +66,13 @@ class Req:
     comp_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     comp_prefix_len: int = 0
     q_hist: dict = field(default_factory=dict)
-    # VeriCache: this round's drafts and how many it aims for.
-    drafts: list[int] = field(default_factory=list)
-    draft_target: int = 0
-    # Constrained decoding (constrained/grammar.py): the matcher, and the bitmask each draft was
-    # sampled under (row i of this round's verification uses draft_masks[i]).
+    # VeriCache (speculative/round_state.py): this round's drafts, their grammar masks, and the rest
+    # of the request's round state.
+    spec: VeriCacheState = field(default_factory=VeriCacheState)
+    # Constrained decoding (constrained/grammar.py): the matcher (it has accepted output_ids + drafts).
     grammar: object = None
-    draft_masks: list = field(default_factory=list)
+    # --disagg-prefill verifier (disagg/remote_prefill.py): its admission by RemotePrefill.
+    remote_prefill: RemotePrefillState | None = None
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReqInput) -> Req:
@@ -127,11 +132,7 @@ class Req:
         self.comp_indices = _EMPTY
         self.comp_prefix_len = 0
         self.q_hist = {}
-        if self.grammar is not None:
-            self.grammar.rollback(len(self.drafts))
-        self.drafts = []
-        self.draft_masks = []
-        self.draft_target = 0
+        self.spec.retract(self.grammar)
         self.num_retractions += 1
 
     # ------------------------------------------------------------------ finish checks

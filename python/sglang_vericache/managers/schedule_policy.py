@@ -64,7 +64,7 @@ class PrefillAdder:
         if s.chunked_req is not None:
             req = s.chunked_req
             n = self.chunk_len(req, budget, avail)
-            if n <= 0 or s.alloc_slots(req, n) is None:
+            if n <= 0 or s.memory.alloc_slots(req, n) is None:
                 return []
             batch.append((req, n))
             budget -= n
@@ -160,7 +160,7 @@ class PrefillAdder:
         req.kv_committed_len = req.kv_allocated_len = prefix_len
         # A hit whose compressed copy is shorter: rebuild the missing chunks from exact KV.
         ok = s.two_tier is None or s.two_tier.fold(req)
-        if ok and s.alloc_slots(req, n) is not None:
+        if ok and s.memory.alloc_slots(req, n) is not None:
             if req.num_retractions == 0:
                 req.cached_tokens = prefix_len
                 s.metrics.num_cached_tokens_total += prefix_len

@@ -4,8 +4,10 @@ Each loop iteration: take new requests, then run either one prefill batch (new r
 the next chunk of a chunked prefill) or one decode step for every running request, then send
 what each request emitted. Memory pressure is met by queueing (admission control), prefix-cache
 eviction, and finally retraction of running requests, never by failing a request.
-The forward passes themselves are in scheduler_forward.py, sampling and outputs in
-scheduler_output_processor.py, /start_profile in scheduler_profiler.py.
+The forward passes themselves are in scheduler_forward.py, sampling in
+scheduler_output_processor.py, /start_profile in scheduler_profiler.py. The collaborators the
+decode paths are handed (RequestMemory, OutputSink, VeriCacheRound and its driver) are built in
+one place, build_decoding.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-import torch
 import zmq
 
 from sglang_vericache.constrained.grammar_backend import grammar_key
@@ -28,6 +29,8 @@ from sglang_vericache.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from sglang_vericache.managers.output_sink import OutputSink, RecordingSink
+from sglang_vericache.managers.request_memory import RequestMemory
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
 from sglang_vericache.managers.scheduler_forward import SchedulerForwardMixin
@@ -55,7 +58,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         self.allocator = self.model_runner.token_to_kv_pool_allocator
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.mode = server_args.kv_mode
-        self.two_tier = self.spec_worker = None
+        self.two_tier = None
         if self.mode == "full":
             self.tree_cache = RadixCache(
                 self.req_to_token_pool, self.allocator, self.page_size, disable=server_args.disable_radix_cache
@@ -73,35 +76,18 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
                 self.req_to_token_pool, self.allocator, self.two_tier.pool, self.page_size,
                 disable=server_args.disable_radix_cache,
             )
-            if self.mode == "vericache" and server_args.disagg_role == "drafter":
-                # Dual-instance mode (disagg/): verification runs on a remote verifier, non-blocking.
-                from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
-
-                self.spec_worker = RemoteVerifyWorker(self)
-            elif self.mode == "vericache":
-                from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
-
-                self.spec_worker = VeriCacheWorker(self)
         # KV store (--kv-store, issue 8): prefix pages shared across instances; see prefix_store.py.
         self.prefix_store = None
         if server_args.kv_store != "none":
             from sglang_vericache.mem_cache.prefix_store import PrefixStore
 
             self.prefix_store = PrefixStore(self)
-        self.remote_prefill = None
-        if server_args.disagg_prefill == "verifier":  # the verifier prefills (remote prefix caching)
-            from sglang_vericache.disagg.remote_prefill import RemotePrefill
-
-            self.remote_prefill = RemotePrefill(self)
-        self.link = self.stagger = None
+        self.link = None
         if server_args.uses_link:
             from sglang_vericache.mem_cache.link import Link
 
-            self.link = Link(self)
-        if server_args.staggered:
-            from sglang_vericache.speculative.stagger import StaggeredVeriCache
-
-            self.stagger = StaggeredVeriCache(self)
+            self.link = Link(server_args, self.model_runner.token_to_kv_pool, self.req_to_token_pool,
+                             self.model_runner.device)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from sglang_vericache.managers.tokenizer_manager import load_tokenizer
@@ -124,7 +110,6 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         self.chunked_req: Req | None = None
         self.prefill_adder = PrefillAdder(self)
         self.metrics = SchedulerMetrics()
-        self.outbox: list[ReqOutput] = []
         # Benchmarks set a list here to get (start, end, tag) of every model forward.
         self.timeline: list[tuple[float, float, str]] | None = None
         self.profiler = SchedulerProfiler(server_args.device)  # /start_profile, /stop_profile
@@ -136,6 +121,71 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
             self.recv_socket.bind(port_args.scheduler_input_ipc_name)
             self.send_socket = ctx.socket(zmq.PUSH)
             self.send_socket.connect(port_args.tokenizer_ipc_name)
+        self.build_decoding()
+        self.remote_prefill = None
+        if server_args.disagg_prefill == "verifier":  # the verifier prefills (remote prefix caching)
+            from sglang_vericache.disagg.remote_prefill import RemotePrefill
+
+            self.remote_prefill = RemotePrefill(self)
+
+    def build_decoding(self) -> None:
+        """The collaborators of the decode paths, each handed only what it uses, in this order:
+          memory     RequestMemory: slots, making room, retraction (pools, tree, queues);
+          output     OutputSink (RecordingSink on a verifier): emits with stop checks, releases
+                     finished requests through memory;
+          round      VeriCacheRound (VeriCache modes and the verifier): plan, draft, verify,
+                     accept, commit over memory, output, the forward, the two tiers and the link;
+          spec_worker  the driver that schedules rounds: lock-step, staggered (its bookings go back
+                     through memory.on_leave), or the remote drafter."""
+        args = self.server_args
+        self.memory = RequestMemory(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size,
+                                    self.two_tier, self.running, self.waiting_queue, self.prefill_adder,
+                                    self.metrics)
+        sink = RecordingSink if args.disagg_role == "verifier" else OutputSink
+        self.output = sink(self.memory, self.running, self.metrics, self.eos_token_ids, self.tokenizer,
+                           self.context_len)
+        self.round = self.spec_worker = None
+        if self.mode == "vericache" or args.disagg_role == "verifier":
+            self.round = self.make_round()
+        if self.mode != "vericache":
+            return
+        if args.disagg_role == "drafter":  # dual-instance (disagg/): verification on a remote verifier
+            from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
+
+            self.spec_worker = RemoteVerifyWorker(args, self.round, self.memory, self.running,
+                                                  self.model_runner.token_to_kv_pool, self.abort,
+                                                  self.recv_socket, self.prefix_store)
+        elif args.staggered:
+            from sglang_vericache.speculative.stagger import StaggeredVeriCache
+
+            self.spec_worker = StaggeredVeriCache(self.round, self.memory, self.running, self.link)
+            self.memory.on_leave = self.spec_worker.cancel
+        else:
+            from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
+
+            self.spec_worker = VeriCacheWorker(self.round, self.memory, self.running, self.link)
+
+    def make_round(self):
+        from sglang_vericache.speculative.acceptance import DraftLengthPolicy
+        from sglang_vericache.speculative.vericache_round import VeriCacheRound, make_draft_pool
+
+        args, runner = self.server_args, self.model_runner
+        max_draft = args.max_draft_tokens
+        policy = DraftLengthPolicy(None if args.speculative_num_draft_tokens == "auto" else max_draft, max_draft)
+        draft_pool = None  # a verifier never drafts
+        if self.mode == "vericache":
+            draft_pool = make_draft_pool(max_draft, self.req_to_token_pool.size, runner.model_config,
+                                         runner.token_to_kv_pool, runner.device)
+        return VeriCacheRound(policy, self.sampler, self.vocab_size, self.eos_token_ids, self.memory, self.output,
+                              self.metrics, self.forward, self.two_tier, self.link, draft_pool)
+
+    @property
+    def outbox(self) -> list[ReqOutput]:
+        return self.output.outbox
+
+    @outbox.setter
+    def outbox(self, value: list[ReqOutput]) -> None:
+        self.output.outbox = value
 
     # ------------------------------------------------------------------ limits
 
@@ -283,18 +333,23 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         return None
 
     def abort_request(self, rid: str) -> None:
-        for req in list(self.waiting_queue):
-            if req.rid == rid:
-                self.waiting_queue.remove(req)
-                if req.req_pool_idx is not None:  # a retracted request holds nothing; a fresh one neither
-                    self.tree_cache.cache_finished_req(req)
-                req.finished_reason = {"type": "abort", "message": "aborted by the client"}
-                self.emit(req)
-                return
         prefilling = list(self.remote_prefill.prefilling.values()) if self.remote_prefill is not None else []
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []) + prefilling:
+        chunked = [self.chunked_req] if self.chunked_req else []
+        for req in [*self.waiting_queue, *self.running, *chunked, *prefilling]:
             if req.rid == rid:
-                req.to_abort = "aborted by the client"
+                self.abort(req, "aborted by the client")
+                return
+
+    def abort(self, req: Req, message: str) -> None:
+        """Ends req with an abort carrying message: now if it waits, at the next step if it runs."""
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            if req.req_pool_idx is not None:  # a retracted request holds nothing; a fresh one neither
+                self.tree_cache.cache_finished_req(req)
+            req.finished_reason = {"type": "abort", "message": message}
+            self.output.emit(req)
+        else:
+            req.to_abort = message  # running, chunked or prefilling: drop_aborted (or RemotePrefill) ends it
 
     def flush_cache(self) -> FlushCacheReqOutput:
         if self.running or self.waiting_queue or self.chunked_req:
@@ -329,52 +384,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         for req in [r for r in self.running if r.to_abort]:
             self.running.remove(req)
             req.finished_reason = {"type": "abort", "message": req.to_abort}
-            self.release(req)
+            self.output.release(req)
         if self.chunked_req is not None and self.chunked_req.to_abort:
             req, self.chunked_req = self.chunked_req, None
             req.finished_reason = {"type": "abort", "message": req.to_abort}
-            self.release(req)
-
-    # ------------------------------------------------------------------ memory
-
-    def alloc_slots(self, req: Req, num_new: int) -> torch.Tensor | None:
-        """Extends `req`'s slots by num_new positions, evicting cached prefixes if needed."""
-        need_pages = self.allocator.pages_needed(req.kv_allocated_len, num_new)
-        short = need_pages * self.page_size - self.allocator.available_size()
-        if short > 0:
-            self.tree_cache.evict(short)
-        last_slot = 0
-        if req.kv_allocated_len > 0:
-            last_slot = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_allocated_len - 1])
-        slots = self.allocator.alloc_extend(last_slot, req.kv_allocated_len, num_new)
-        if slots is None:
-            return None
-        self.req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
-        req.kv_allocated_len += num_new
-        return slots
-
-    def retract(self, req: Req) -> None:
-        """Gives back a running request's KV (into the prefix cache, evictable) and requeues it first."""
-        if self.stagger is not None:
-            self.stagger.cancel(req)
-        self.tree_cache.cache_finished_req(req)
-        req.reset_for_retract()
-        self.waiting_queue.appendleft(req)
-        self.metrics.num_retracted_total += 1
-        self.prefill_adder.on_retract()
-
-    def release(self, req: Req) -> None:
-        """A finished request: cache its KV in the radix tree, free the rest, report it."""
-        if self.stagger is not None:
-            self.stagger.cancel(req)
-        if req.req_pool_idx is not None:
-            self.tree_cache.cache_finished_req(req)
-        self.emit(req)
-
-    def truncate_slots(self, req: Req, new_len: int) -> None:
-        """Gives back the whole pages past position new_len-1 (rejected drafts' slots)."""
-        ps = self.page_size
-        keep = -(-new_len // ps) * ps
-        if req.kv_allocated_len > keep:
-            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_allocated_len])
-        req.kv_allocated_len = new_len
+            self.output.release(req)

@@ -1,6 +1,6 @@
-"""SchedulerForwardMixin: the scheduler's forward passes: a prefill (EXTEND) batch, a decode step
-in each mode (full, lossy, VeriCache lock-step or staggered, naive offload), and the ForwardBatch
-they are built into.
+"""SchedulerForwardMixin: the scheduler's forward passes: a prefill (EXTEND) batch and a decode step
+in each mode (full, lossy, naive offload; VeriCache modes hand the step to their round's driver),
+and make_forward_batch, the ForwardBatch they are all built into.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SchedulerForwardMixin:
             logit_rows.extend(row_base + (j - start) for j in rows)
             row_base += n
 
-        fb = self.make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
+        fb = make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
         if self.two_tier is not None and self.two_tier.needs_queries:
             fb.captured_q = {}
@@ -65,7 +65,7 @@ class SchedulerForwardMixin:
                     logger.warning("compressed tier full: requeueing %s", req.rid)
                     if req is self.chunked_req:
                         self.chunked_req = None
-                    self.retract(req)
+                    self.memory.retract(req)
                     self.prefill_adder.back_off()
                     continue
             self.metrics.num_prompt_tokens_total += n
@@ -81,7 +81,7 @@ class SchedulerForwardMixin:
                 self.prefix_store.write_through(req)
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
-                self.release(req)
+                self.output.release(req)
                 continue
             self.tree_cache.cache_unfinished_req(req)
             to_sample.append((req, logits[base + rows.index(sample_row)]))
@@ -90,31 +90,11 @@ class SchedulerForwardMixin:
 
     # ------------------------------------------------------------------ decode
 
-    def make_room(self, new_tokens) -> None:
-        """Ensures every running request can grow by new_tokens(req) exact slots (and, in two-tier
-        modes, fold the pages that fill), evicting cached prefixes, then retracting the newest."""
-        while True:
-            need = sum(self.allocator.pages_needed(r.kv_allocated_len, new_tokens(r)) for r in self.running)
-            free = self.allocator.available_size() // self.page_size
-            if need > free:
-                self.tree_cache.evict((need - free) * self.page_size)
-                free = self.allocator.available_size() // self.page_size
-            ok = need <= free
-            if ok and self.two_tier is not None:
-                ok = self.two_tier.reserve_fold_chunks(self.running, new_tokens)
-            if ok or len(self.running) == 1:
-                return
-            self.retract(self.running.pop())
-
     def run_decode(self) -> None:
-        if self.stagger is not None:
-            self.stagger.step()
+        if self.spec_worker is not None:  # VeriCache: the round's driver makes its own room
+            self.spec_worker.step()
             return
-        if self.mode == "vericache":
-            self.make_room(lambda r: self.spec_worker.draft_len(r) + 1)
-            self.spec_worker.run_round(list(self.running))
-            return
-        self.make_room(lambda r: 1)
+        self.memory.make_room(lambda r: 1)
         if self.mode == "lossy":
             self.two_tier.lossy_step(list(self.running))
             return
@@ -125,13 +105,13 @@ class SchedulerForwardMixin:
     def decode_step(self, reqs: list[Req]) -> None:
         out_loc = []
         for req in reqs:
-            slots = self.alloc_slots(req, 1)
+            slots = self.memory.alloc_slots(req, 1)
             assert slots is not None, "a lone request outgrew the KV pool; admission should prevent this"
             out_loc.append(slots)
         input_ids = [r.output_ids[-1] for r in reqs]
         positions = [r.seqlen - 1 for r in reqs]
         batch = [(r, 1) for r in reqs]
-        fb = self.make_forward_batch(ForwardMode.DECODE, batch, input_ids, positions, torch.cat(out_loc))
+        fb = make_forward_batch(ForwardMode.DECODE, batch, input_ids, positions, torch.cat(out_loc))
         if self.link is not None:
             fb.staged = self.link.staged(reqs)
         logits = self.forward(fb, "decode")
@@ -150,27 +130,30 @@ class SchedulerForwardMixin:
         self.timeline.append((t0, time.perf_counter(), tag))
         return logits
 
-    def make_forward_batch(self, mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
-        if prefix_lens is not None:
-            prefix = prefix_lens
-        elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
-            prefix = list(positions)
-        else:
-            prefix = [r.kv_committed_len for r, _ in batch]
-        ext = [n for _, n in batch]
-        seq = [p + n for p, n in zip(prefix, ext)]
-        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        return ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(batch),
-            input_ids=t(input_ids),
-            positions=t(positions),
-            req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
-            seq_lens=t(seq),
-            extend_prefix_lens=t(prefix),
-            extend_seq_lens=t(ext),
-            out_cache_loc=out_loc,
-            seq_lens_cpu=seq,
-            extend_prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=ext,
-        )
+
+def make_forward_batch(mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
+    """batch: (req, new tokens) per request; prefix_lens: each request's context before its new
+    tokens (default: a draft row's position, else the request's committed KV)."""
+    if prefix_lens is not None:
+        prefix = prefix_lens
+    elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
+        prefix = list(positions)
+    else:
+        prefix = [r.kv_committed_len for r, _ in batch]
+    ext = [n for _, n in batch]
+    seq = [p + n for p, n in zip(prefix, ext)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(batch),
+        input_ids=t(input_ids),
+        positions=t(positions),
+        req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
+        seq_lens=t(seq),
+        extend_prefix_lens=t(prefix),
+        extend_seq_lens=t(ext),
+        out_cache_loc=out_loc,
+        seq_lens_cpu=seq,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=ext,
+    )

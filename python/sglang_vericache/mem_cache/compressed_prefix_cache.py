@@ -15,7 +15,8 @@ Invariants:
     whole path. A locked page's ancestors are locked, so the pages with ref 0 are whole subtrees,
     evicted leaves first, least recently used first: eviction never breaks the closure.
   - Chunk ids in the cache are the cache's, freed only by eviction (or reset). A request owns its
-    chunks past its `_cpc_keys` pages and its exact slots from `_exact_from` on, freed at release.
+    chunks past its held pages and its exact slots from exact_from on (Req.remote_prefill), freed
+    at release.
 The two-tier tree underneath stays empty: nothing in this mode inserts into it.
 """
 
@@ -118,11 +119,12 @@ class CompressedPrefixCache(TwoTierRadixCache):
 
     def cache_finished_req(self, req: Any) -> None:
         """Frees the request's own exact slots and chunks and unlocks its cached pages."""
-        if "_exact_from" not in req.meta:  # never admitted by RemotePrefill: nothing of it is here
+        st = req.remote_prefill  # disagg/remote_prefill.py's RemotePrefillState
+        if st is None or st.exact_from is None:  # never admitted by RemotePrefill: nothing of it is here
             return super().cache_finished_req(req)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.token_to_kv_pool_allocator.free(row[req.meta.pop("_exact_from") : req.kv_allocated_len])
-        keys = req.meta.pop("_cpc_keys")
+        self.token_to_kv_pool_allocator.free(row[st.exact_from : req.kv_allocated_len])
+        keys, st.exact_from, st.held_keys = st.held_keys, None, []
         self.compressed_pool.free(self._as_ids(req.comp_indices)[len(keys) :])
         self.unlock(keys)
         self.req_to_token_pool.free(req.req_pool_idx)

@@ -20,20 +20,19 @@ from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang_vericache.server_args import ServerArgs
 
 T = TypeVar("T")
 
 
 class Link:
-    def __init__(self, scheduler: Scheduler):
-        s = scheduler
-        args = s.server_args
+    def __init__(self, args: ServerArgs, exact_pool: MHATokenToKVPool, req_to_token_pool: ReqToTokenPool, device):
         bw = None if args.link_bandwidth is None else float(parse_bytes(args.link_bandwidth, "--link-bandwidth"))
-        self.s = s
+        self.req_to_token_pool = req_to_token_pool
         self.bandwidth = bw
-        self.engine = TransferEngine(bw, s.model_runner.device)
-        self.stager = LayerwiseKVStager(s.model_runner.token_to_kv_pool, self.engine, args.verify_staging_tokens)
+        self.engine = TransferEngine(bw, device)
+        self.stager = LayerwiseKVStager(exact_pool, self.engine, args.verify_staging_tokens)
         self.max_tokens = args.verify_staging_tokens
 
     def bytes_for(self, n_tokens: int) -> int:
@@ -41,7 +40,7 @@ class Link:
 
     def staged(self, group: list[Req]) -> StagedVerify:
         """Starts streaming the committed exact KV of each request in group (positions [0, n-1))."""
-        r2t = self.s.req_to_token_pool.req_to_token
+        r2t = self.req_to_token_pool.req_to_token
         lens = [r.kv_committed_len for r in group]
         slots = torch.cat([r2t[r.req_pool_idx, :n] for r, n in zip(group, lens)])
         offsets = [0]

@@ -184,13 +184,14 @@ class TwoTierKV:
     def lossy_step(self, reqs: list[Req]) -> None:
         """One decode step from the compressed tier alone (the baseline VeriCache must beat):
         the new token's KV joins the tail and is folded like exact KV."""
+        from sglang_vericache.managers.scheduler_forward import make_forward_batch
         from sglang_vericache.model_executor.forward_batch import ForwardMode
 
         s = self.s
-        out_loc = [s.alloc_slots(r, 1) for r in reqs]
-        fb = s.make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in reqs],
-                                  [r.output_ids[-1] for r in reqs], [r.seqlen - 1 for r in reqs],
-                                  torch.cat(out_loc))
+        out_loc = [s.memory.alloc_slots(r, 1) for r in reqs]
+        fb = make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in reqs],
+                                [r.output_ids[-1] for r in reqs], [r.seqlen - 1 for r in reqs],
+                                torch.cat(out_loc))
         fb.draft_ctx = self.draft_context(reqs, new_kv="exact")
         fb.captured_q = {} if self.needs_queries else None
         logits = s.forward(fb, "lossy")

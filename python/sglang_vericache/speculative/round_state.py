@@ -1,0 +1,52 @@
+"""VeriCacheState: what one request carries between the steps of its VeriCache rounds (Req.spec).
+
+Owned by speculative/vericache_round.py (drafts, masks, target, acceptance) and by the driver that
+schedules the round: the staggered schedule's booking, the remote drafter's session fields. User-
+visible counters (spec_rounds, spec_accept_length, ...) stay in Req.meta, which goes to the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """A staggered request's reserved verification (speculative/reservations.py): the iteration,
+    and the link bytes and staging tokens it holds there."""
+
+    at: int
+    nbytes: int
+    tokens: int
+
+
+@dataclass(slots=True)
+class VeriCacheState:
+    # This round: the drafts so far, the grammar bitmask each was sampled under (row i of the
+    # verification uses draft_masks[i]), and how many drafts the round aims for.
+    drafts: list[int] = field(default_factory=list)
+    draft_masks: list = field(default_factory=list)
+    draft_target: int = 0
+    # DraftLengthPolicy's acceptance EMA (None until the first round is planned); kept across
+    # retractions, like the request's counters.
+    accept_ema: float | None = None
+    # Staggered schedule: the verification this round booked (None: no round booked).
+    booking: Booking | None = None
+    # Remote drafter (disagg/remote_verify.py): when this round started drafting (None: no round
+    # open), whether the first round drafts half its length, and num_retractions when the
+    # verifier's session opened (a retraction since then ends the session).
+    round_started_at: float | None = None
+    half_first_round: bool = False
+    retractions_at_open: int = 0
+
+    def start(self, draft_target: int) -> None:
+        self.drafts, self.draft_masks, self.draft_target = [], [], draft_target
+
+    def end(self) -> None:
+        self.drafts, self.draft_masks = [], []
+
+    def retract(self, grammar) -> None:
+        """The request loses its KV: its grammar forgets the outstanding drafts, and so does the round."""
+        if grammar is not None:
+            grammar.rollback(len(self.drafts))
+        self.start(0)
