@@ -23,7 +23,11 @@ from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
 
 T, HKV, G, D = 16, 2, 4, 64
 SCALE = D**-0.5
-NAMES = [n for n in COMPRESSOR_NAMES if n != "fp8" or fp8_supported()]
+# Layouts the kernel reads: token drop, int8, fp8, kivi (and drop+those). kvquant's non-uniform levels
+# with exact outliers and rotatekv's Hadamard basis are not among them: they draft on the torch path.
+TORCH_PATH_ONLY = ("kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
+NAMES = [n for n in COMPRESSOR_NAMES + ("snapkv+kivi4", "pyramidkv+int8")
+         if (n != "fp8" or fp8_supported()) and n not in TORCH_PATH_ONLY]
 # (compressed chunks, tail rows, draft rows) per request (token drop keeps 5 rows of 16 per chunk):
 # odd totals across 64-key chunk edges,
 # an empty tail, one chunk, no chunk, no drafts
@@ -43,9 +47,9 @@ def nan_pool(n: int, dtype) -> torch.Tensor:
 class Case:
     """A compressed pool (one layer) and exact / draft pools holding MIX's requests under shuffled ids."""
 
-    def __init__(self, name: str, dtype: torch.dtype, mix=MIX, seed: int = 0, group_size: int = 8):
+    def __init__(self, name: str, dtype: torch.dtype, mix=MIX, seed: int = 0, group_size: int = 8, chunk: int = T):
         gen = torch.Generator().manual_seed(seed)
-        cfg = CompressorConfig(name, ratio=3, chunk_size=T, num_layers=1, num_kv_heads=HKV, num_q_heads=HKV * G,
+        cfg = CompressorConfig(name, ratio=3, chunk_size=chunk, num_layers=1, num_kv_heads=HKV, num_q_heads=HKV * G,
                                head_dim=D, dtype=dtype, group_size=group_size)
         self.comp = get_compressor(name, cfg)
         n_chunks = sum(c for c, _, _ in mix)
@@ -63,10 +67,11 @@ class Case:
         for c, t, d in mix:
             mine = [ids.pop() for _ in range(c)], [tail_slots.pop() for _ in range(t)], [draft_slots.pop() for _ in range(d)]
             if c:
-                k, v = rows(c * T, dtype, gen).unflatten(0, (c, T)), rows(c * T, dtype, gen).unflatten(0, (c, T))
+                k = rows(c * chunk, dtype, gen).unflatten(0, (c, chunk))
+                v = rows(c * chunk, dtype, gen).unflatten(0, (c, chunk))
                 w = self.comp.query_window(0)
                 qw = torch.randn(c, w, HKV * G, D, generator=gen).to(dtype) if w else None
-                pos = torch.arange(c * T).view(c, T)
+                pos = torch.arange(c * chunk).view(c, chunk)
                 self.pool.write(0, torch.tensor(mine[0]), self.comp.compress(0, k, v, q=qw, positions=pos))
             for slots, kp, vp in ((mine[1], self.tail_k, self.tail_v), (mine[2], self.draft_k, self.draft_v)):
                 kp[slots], vp[slots] = rows(len(slots), dtype, gen), rows(len(slots), dtype, gen)
@@ -134,6 +139,19 @@ def test_one_request_one_chunk_and_no_tail_or_draft(name):
     assert (case.run() - case.reference()).abs().max().item() < 2e-6
 
 
+@pytest.mark.parametrize("group_size", [4, 8])
+@pytest.mark.parametrize("name", ["int8", "fp8", "kivi2", "kivi4"])
+def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size):
+    """Chunks of one token: each request's only key is one dequantized row, and softmax over one key
+    is exactly 1, so the output is that row: the kernel dequantizes exactly as decompress()."""
+    if name == "fp8" and not fp8_supported():
+        pytest.skip("no torch.float8_e4m3fn")
+    case = Case(name, torch.float32, mix=[(1, 0, 0)] * 6, seed=5, group_size=group_size, chunk=1)
+    ids = torch.tensor([r[0][0] for r in case.reqs])
+    _, v = case.pool.decompress(0, ids)  # [6, Hkv, D], one row per chunk
+    assert torch.equal(case.run(), v.repeat_interleave(G, dim=1))
+
+
 @pytest.mark.parametrize("group_size", [4, 16, 32])
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
 def test_kivi_groups_narrower_and_wider_than_a_vector(name, group_size):
@@ -162,6 +180,8 @@ def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thre
 
 def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():
     assert compressed_layer("quantized", {"k": torch.zeros(1, dtype=torch.uint8), "codebook": torch.zeros(1)}) is None
+    for name in TORCH_PATH_ONLY:  # their codes are not kivi's although two of them are min-max codes too
+        assert compressed_layer("quantized", Case(name, torch.float32, mix=[(1, 0, 1)]).pool.buffers[0]) is None
     assert compressed_layer("product_quantized", {"k": torch.zeros(1), "v": torch.zeros(1)}) is None
     case = Case("int8", torch.float32, mix=[(1, 2, 1)])
     ids, tail, draft = case.reqs[0]

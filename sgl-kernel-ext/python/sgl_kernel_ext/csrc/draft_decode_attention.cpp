@@ -110,6 +110,23 @@ inline void round_row(float* x, int64_t n, Elem to) {
 // dst[i] = float(float8_e4m3fn byte src[i]) * scale, exactly as torch converts (bias 7, no
 // infinities, 0x7F / 0xFF NaN), 8 at a time in integer ops; n a multiple of 8.
 inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
+#if defined(DRAFT_AVX2) && defined(__F16C__)
+  // e4m3 bits moved into a float16's (sign, exponent, mantissa) are the same number times 2^-8,
+  // subnormals included; the hardware conversion is exact, and (x * 2^-8) * (scale * 2^8) rounds
+  // once, exactly as x * scale.
+  const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
+  const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+  for (int64_t i = 0; i < n; i += VW) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(_mm_and_si128(b, mag), 7));
+    __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), s256);
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_cvtepu16_epi32(_mm_and_si128(b, mag)),
+                                                              _mm256_set1_epi32(0x7F)));
+    f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+    _mm256_storeu_ps(dst + i, f);
+  }
+  return;
+#endif
   for (int64_t i = 0; i < n; i += VW) {
 #ifdef DRAFT_AVX2
     const vint byte = (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
