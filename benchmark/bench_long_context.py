@@ -9,6 +9,8 @@ few requests' exact KV; a host<->accelerator link of a given bandwidth. Modes:
   lossy           compressed KV only, in the accelerator budget (quality baseline)
   vc-lockstep     VeriCache, everyone drafts then everyone verifies (exact KV streamed)
   vc-staggered    VeriCache, verifications booked against the link so they overlap drafting
+  vc-auto         VeriCache as served by default (--vericache-schedule adaptive): exact KV resident
+                  while the device budget holds it, decode or rounds per request from measured costs
 Reports output tokens/s (median of --repeats), the ratio to full, output identity with full,
 mean tokens per round, link and compute busy fractions; writes JSON, a Markdown table, and a
 timeline plot of link and compute activity for lock-step against staggered.
@@ -54,6 +56,7 @@ def modes(args) -> dict[str, dict]:
         "lossy": dict(kv_compressor=args.compressor, kv_compression_ratio=args.ratio, **host),
         "vc-lockstep": dict(vericache_schedule="lockstep", **vc, **host),
         "vc-staggered": dict(vericache_schedule="staggered", **vc, **host),
+        "vc-auto": dict(vericache_schedule="adaptive", **vc, **host),
     }
 
 
@@ -62,7 +65,8 @@ def run_mode(args, prompts, server: dict):
         model_path=args.model_path, skip_tokenizer_init=True, page_size=args.page_size,
         device_kv_budget=args.device_kv_budget, max_running_requests=len(prompts),
         verify_staging_tokens=args.staging_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        num_threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, **server))
+        num_threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        enable_deterministic_inference=True, **server))  # the reference output: deterministic full mode
     reqs = [make_request(f"r{i}", p, max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     sched.timeline = []
@@ -154,6 +158,9 @@ def main() -> None:
                         "the bytes each verification moves over the link.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of every mode; medians are reported.")
     p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
+    p.add_argument("--sweep", action="store_true",
+                   help="Device budgets holding 1, 3, 6 and all requests' exact KV x links 200MB and 1GB, modes "
+                        "full, vc-staggered and vc-auto, in one run -> results/long_context_sweep.{json,md}.")
     args = p.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
@@ -167,16 +174,73 @@ def main() -> None:
     if args.host_kv_budget is None:
         args.host_kv_budget = str(int(1.5 * args.num_requests * (args.input_len + args.output_len + args.page_size)
                                       * per_token))
+    request_bytes = (args.input_len + args.output_len + args.page_size) * per_token
+    if args.sweep:
+        sweep(args, prompts, request_bytes)
+        return
     if args.device_kv_budget is None:
-        args.device_kv_budget = str(int(args.full_fits * (args.input_len + args.output_len + args.page_size) * per_token))
+        args.device_kv_budget = str(int(args.full_fits * request_bytes))
     all_modes = modes(args)
     chosen = {k: v for k, v in all_modes.items() if args.modes is None or k in args.modes}
+    runs, rows = measure(args, prompts, chosen)
+    header = (
+        f"Long-context decoding: {args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new "
+        f"tokens), {args.model_path}\n"
+        f"device KV budget {parse_bytes(args.device_kv_budget) / 1e6:.1f} MB (exact KV of {args.full_fits:g} "
+        f"requests), link {args.link_bandwidth}/s, {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, "
+        f"staging {args.staging_tokens} rows, dtype {args.dtype}, KV dtype {args.kv_cache_dtype}; median of {args.repeats}; machine: {machine()}\n"
+    )
+    lines = [header, "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_full"]]
+        ratio = "-" if r["ratio_to_full"] is None else f"{r['ratio_to_full']:.2f}x"
+        lines.append(f"| {r['mode']} | {r['tok_s_median']:.1f} | {ratio} | {same} | {tpr} | "
+                     f"{r['link_busy']:.0%} | {r['compute_busy']:.0%} |")
+    report = {"args": vars(args), "machine": machine(), "rows": rows,
+              "timelines": {k: {"compute": rs[-1]["timeline"], "link": rs[-1]["link_intervals"]}
+                            for k, rs in runs.items() if k.startswith("vc-")}}
+    write_results("long_context", report, "\n".join(lines))
+    if "vc-lockstep" in runs or "vc-staggered" in runs:
+        span = min(r[-1]["wall_s"] for k, r in runs.items() if k.startswith("vc-"))
+        plot_timeline({k: rs[-1] for k, rs in runs.items()}, RESULTS / "long_context_timeline.png", min(span, 3.0))
+        print(f"wrote {RESULTS / 'long_context_timeline.png'}")
 
+
+def sweep(args, prompts, request_bytes: float) -> None:
+    """Every (budget, link) point: full, vc-staggered, vc-auto; vc-auto against the best of the others."""
+    points, lines = [], []
+    for fits in (1, 3, 6, args.num_requests):
+        for link in ("200MB", "1GB"):
+            args.device_kv_budget, args.link_bandwidth, args.full_fits = str(int(fits * request_bytes)), link, fits
+            chosen = {k: v for k, v in modes(args).items() if k in ("full", "vc-staggered", "vc-auto")}
+            _, rows = measure(args, prompts, chosen)
+            by = {r["mode"]: r for r in rows}
+            best = max(by["full"]["tok_s_median"], by["vc-staggered"]["tok_s_median"])
+            points.append({"full_fits": fits, "link": link, "rows": rows,
+                           "auto_vs_best": by["vc-auto"]["tok_s_median"] / best})
+    lines.append(f"Long-context sweep: {args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new "
+                 f"tokens), {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, dtype {args.dtype}; "
+                 f"median of {args.repeats}; machine: {machine()}\n")
+    lines += ["| device budget (requests' exact KV) | link | full tok/s | vc-staggered vs full | vc-auto vs full | "
+              "vc-auto vs best | output = full |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for pt in points:
+        by = {r["mode"]: r for r in pt["rows"]}
+        same = all(r["identical_to_full"] for r in pt["rows"])
+        lines.append(f"| {pt['full_fits']} | {pt['link']}/s | {by['full']['tok_s_median']:.1f} | "
+                     f"{by['vc-staggered']['ratio_to_full']:.2f}x | {by['vc-auto']['ratio_to_full']:.2f}x | "
+                     f"{pt['auto_vs_best']:.2f}x | {'yes' if same else 'NO'} |")
+    write_results("long_context_sweep", {"args": vars(args), "machine": machine(), "points": points},
+                  "\n".join(lines))
+
+
+def measure(args, prompts, chosen: dict[str, dict]) -> tuple[dict, list[dict]]:
+    """Runs each chosen mode --repeats times (interleaved) -> (runs, rows with medians and ratios)."""
     runs: dict[str, list[dict]] = {k: [] for k in chosen}
     for rep in range(args.repeats):
         for name, server in tqdm(chosen.items(), desc=f"repeat {rep + 1}/{args.repeats}"):
             runs[name].append(run_mode(args, prompts, server))
-
     full_out = runs["full"][0]["outputs"] if "full" in runs else None
     med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
     rows = []
@@ -194,28 +258,7 @@ def main() -> None:
             "link_bytes": last["link_bytes"],
             "retracted": last["retracted"],
         })
-    header = (
-        f"Long-context decoding: {args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new "
-        f"tokens), {args.model_path}\n"
-        f"device KV budget {parse_bytes(args.device_kv_budget) / 1e6:.1f} MB (exact KV of {args.full_fits:g} "
-        f"requests), link {args.link_bandwidth}/s, {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, "
-        f"staging {args.staging_tokens} rows, dtype {args.dtype}, KV dtype {args.kv_cache_dtype}; median of {args.repeats}; machine: {machine()}\n"
-    )
-    lines = [header, "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
-        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_full"]]
-        lines.append(f"| {r['mode']} | {r['tok_s_median']:.1f} | {r['ratio_to_full']:.2f}x | {same} | {tpr} | "
-                     f"{r['link_busy']:.0%} | {r['compute_busy']:.0%} |")
-    report = {"args": vars(args), "machine": machine(), "rows": rows,
-              "timelines": {k: {"compute": rs[-1]["timeline"], "link": rs[-1]["link_intervals"]}
-                            for k, rs in runs.items() if k.startswith("vc-")}}
-    write_results("long_context", report, "\n".join(lines))
-    if "vc-lockstep" in runs or "vc-staggered" in runs:
-        span = min(r[-1]["wall_s"] for k, r in runs.items() if k.startswith("vc-"))
-        plot_timeline({k: rs[-1] for k, rs in runs.items()}, RESULTS / "long_context_timeline.png", min(span, 3.0))
-        print(f"wrote {RESULTS / 'long_context_timeline.png'}")
+    return runs, rows
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sglang_vericache.mem_cache.placement import ExactPlacement
+from sglang_vericache.mem_cache.placement import ExactPlacement, residency
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
 
 
@@ -26,22 +26,42 @@ class FakeReq:
     rid: str
     kv_committed_len: int
     output_ids: list = field(default_factory=lambda: [1])
+    decode_only: bool = False
 
 
-def placement(device_bytes, comp=None, engine=None, growth=0):
-    return ExactPlacement(device_bytes, overhead_bytes=100, comp_pool=comp or FakeCompPool(),
-                          kv_bytes_per_token=2, growth_tokens=growth, engine=engine)
+def placement(device_bytes, comp=None, engine=None, growth=0, scratch=0, staging=0):
+    # 100 bytes of scratch for the one drafting request each test has besides decode-only ones
+    return ExactPlacement(device_bytes, comp or FakeCompPool(), kv_bytes_per_token=2, growth_tokens=growth,
+                          scratch_bytes_per_drafter=scratch, staging_bytes=staging, engine=engine)
+
+
+def test_residency_keeps_admission_order_and_skips_what_does_not_fit():
+    assert residency([10, 10, 10], 25) == [True, True, False]
+    assert residency([10, 30, 5], 20) == [True, False, True]
+    assert residency([], 0) == []
+
+
+def test_staging_is_held_only_while_some_exact_kv_is_on_the_host_and_scratch_per_drafter():
+    p = placement(1000, scratch=50, staging=300)
+    both = [FakeReq("a", 200), FakeReq("b", 200)]  # 800 bytes + 2 drafters' scratch: fits, no staging
+    assert p.update(both) == [True, True]
+    three = both + [FakeReq("c", 200)]  # does not fit: staging (300) is held, then only one fits
+    assert p.update(three) == [True, False, False]
+    for r in three:
+        r.decode_only = True  # no scratch: 1000 - 300 staging = 700 -> one request of 400 bytes
+    assert p.update(three) == [True, False, False]
+    assert p.update(three[:2]) == [True, True]
 
 
 def test_resident_in_admission_order_while_the_budget_holds():
-    p = placement(1100)  # 1000 bytes left: 500 tokens of exact KV
+    p = placement(1000)  # 500 tokens of exact KV
     reqs = [FakeReq("a", 200), FakeReq("b", 200), FakeReq("c", 200), FakeReq("d", 50)]
     assert p.update(reqs) == [True, True, False, True]
-    assert p.free_bytes() == 1000
+    assert p.free_bytes() == 1000 and p.free_bytes(drafters=2) == 1000
 
 
 def test_growth_is_reserved_per_resident_request():
-    p = placement(1100, growth=51)
+    p = placement(1000, growth=51)
     assert p.update([FakeReq("a", 200), FakeReq("b", 200)]) == [True, False]  # 2 * 251 * 2 > 1000
 
 
@@ -54,7 +74,7 @@ def test_a_growing_compressed_tier_demotes_the_newest_first_and_promotion_copies
     comp = FakeCompPool()
     engine = TransferEngine(2000.0, "cpu")  # 400 bytes take 0.2 s
     try:
-        p = placement(1100, comp, engine)
+        p = placement(1000, comp, engine)
         reqs = [FakeReq("a", 200), FakeReq("b", 200)]
         assert p.update(reqs) == [True, True]
         comp.used = 30  # 300 bytes of compressed chunks: 700 left, room for one
@@ -71,7 +91,7 @@ def test_a_growing_compressed_tier_demotes_the_newest_first_and_promotion_copies
 
 
 def test_finished_requests_leave_the_placement():
-    p = placement(1100)
+    p = placement(1000)
     p.update([FakeReq("a", 200), FakeReq("b", 200)])
     p.update([FakeReq("b", 200)])
     assert set(p.state) == {"b"}

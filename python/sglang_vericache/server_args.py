@@ -88,7 +88,7 @@ class ServerArgs:
     speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
     device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
     host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
-    vericache_schedule: str = "auto"  # lockstep | staggered | auto (staggered iff a link bandwidth is set)
+    vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (staggered iff a link bandwidth is set)
     verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
     kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
     link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
@@ -170,9 +170,17 @@ class ServerArgs:
         return self.vericache_schedule == "staggered"
 
     @property
+    def adaptive(self) -> bool:
+        """VeriCache driven by the adaptive controller (speculative/adaptive.py); not on a remote
+        drafter (disagg/remote_verify.py drives its rounds)."""
+        return (self.kv_mode == "vericache" and self.vericache_schedule == "adaptive"
+                and self.disagg_role != "drafter")
+
+    @property
     def uses_link(self) -> bool:
         """Whether exact KV is streamed from the host tier over a (possibly throttled) link."""
-        return self.kv_offload or (self.kv_mode == "vericache" and (self.link_bandwidth is not None or self.staggered))
+        return self.kv_offload or (self.kv_mode == "vericache" and (
+            self.link_bandwidth is not None or self.staggered or self.adaptive))
 
     @property
     def kv_store_tier_set(self) -> tuple[str, ...]:
@@ -240,8 +248,9 @@ class ServerArgs:
             self.speculative_algorithm = "VERICACHE"
             if not self.kv_compressor:
                 raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
-        if self.vericache_schedule not in ("auto", "lockstep", "staggered"):
-            raise ValueError(f"--vericache-schedule must be auto, lockstep or staggered, got {self.vericache_schedule!r}")
+        if self.vericache_schedule not in ("adaptive", "auto", "lockstep", "staggered"):
+            raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
+                             f"{self.vericache_schedule!r}")
         if self.enable_deterministic_inference and self.device.startswith("cuda"):
             raise ValueError("--enable-deterministic-inference runs on the CPU only so far (its batch-invariant "
                              "attention is a CPU kernel); drop the flag on CUDA")

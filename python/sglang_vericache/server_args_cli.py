@@ -82,10 +82,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
              "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: unthrottled.")
     add("--vericache-schedule", type=str, default=d["vericache_schedule"].default,
-        choices=("auto", "lockstep", "staggered"),
-        help="lockstep: all requests draft, then all verify; staggered: each iteration some verify while "
-             "the rest draft, booked against link bandwidth and staging memory; auto: staggered when "
-             "--link-bandwidth is set.")
+        choices=("adaptive", "auto", "lockstep", "staggered"),
+        help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
+             "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds (and "
+             "their length) and admits host-tier requests only while they add throughput; lockstep: all "
+             "requests draft, then all verify; staggered: each iteration some verify while the rest draft, "
+             "booked against link bandwidth and staging memory; auto (default): staggered when "
+             "--link-bandwidth is set, else lockstep.")
     add("--verify-staging-tokens", type=int, default=d["verify_staging_tokens"].default,
         help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
              "accelerator; also the longest context a request may have when exact KV is streamed.")

@@ -99,6 +99,8 @@ class PrefillAdder:
             n = self.chunk_len(req, budget, avail - prefix_len - self.reserve_for(req), remaining)
             if n <= 0:
                 break
+            if s.admission_gate is not None and not s.admission_gate(req, [r for r, _ in batch]):
+                break  # adaptive VeriCache: req would not add throughput now (may mark it decode_only)
             if s.two_tier is not None and not s.two_tier.can_admit(req, match, n, batch):
                 break
             if not self.admit(req, match, n):

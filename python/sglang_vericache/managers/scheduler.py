@@ -145,6 +145,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         self.output = sink(self.memory, self.running, self.metrics, self.eos_token_ids, self.tokenizer,
                            self.context_len)
         self.round = self.spec_worker = None
+        # Admission beyond memory (schedule_policy.py): the adaptive controller's say, if any.
+        self.admission_gate = None
         if self.mode == "vericache" or args.disagg_role == "verifier":
             self.round = self.make_round()
         if self.mode != "vericache":
@@ -160,6 +162,13 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
 
             self.spec_worker = StaggeredVeriCache(self.round, self.memory, self.running, self.link)
             self.memory.on_leave = self.spec_worker.cancel
+        elif args.adaptive:
+            from sglang_vericache.speculative.adaptive import AdaptiveVeriCache
+
+            self.spec_worker = AdaptiveVeriCache(args, self.round, self.memory, self.running, self.link,
+                                                 self.two_tier, self.model_runner, self.page_size)
+            self.memory.on_leave = self.spec_worker.cancel
+            self.admission_gate = self.spec_worker.admits
         else:
             from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 

@@ -1,7 +1,8 @@
 """ExactPlacement: which running requests keep their exact KV in device memory (ARCHITECTURE.md 11).
 
-One device budget holds the compressed tier (the chunks in use), the drafts' scratch KV and the
-staging ring, and whatever is left holds exact KV of running requests: those are *resident* and
+One device budget holds the compressed tier (the chunks in use), the drafts' scratch KV (per
+request that drafts), the staging ring (only while some request's exact KV is on the host), and
+whatever is left holds exact KV of running requests: those are *resident* and
 verify (or decode) over it with no link; the others' exact KV lives in the host tier and streams
 over the link at each verification.
 
@@ -34,10 +35,12 @@ class Residency:
 
 
 class ExactPlacement:
-    def __init__(self, device_bytes: int | None, overhead_bytes: int, comp_pool: CompressedKVPool,
-                 kv_bytes_per_token: int, growth_tokens: int, engine: TransferEngine | None = None):
+    def __init__(self, device_bytes: int | None, comp_pool: CompressedKVPool, kv_bytes_per_token: int,
+                 growth_tokens: int, scratch_bytes_per_drafter: int = 0, staging_bytes: int = 0,
+                 engine: TransferEngine | None = None):
         self.device_bytes = device_bytes
-        self.overhead = overhead_bytes
+        self.scratch = scratch_bytes_per_drafter
+        self.staging = staging_bytes
         self.comp_pool = comp_pool
         self.kv_bytes = kv_bytes_per_token
         self.growth = growth_tokens
@@ -45,12 +48,13 @@ class ExactPlacement:
         self.state: dict[str, Residency] = {}  # rid -> residency, for running requests
         self.stats = {"promotions": 0, "demotions": 0, "promoted_bytes": 0}
 
-    def free_bytes(self) -> float:
-        """Device bytes left for resident exact KV."""
+    def free_bytes(self, drafters: int = 0, staging: bool = False) -> float:
+        """Device bytes left for resident exact KV, with `drafters` requests that may draft and
+        (staging) the staging ring held."""
         if self.device_bytes is None:
             return float("inf")
         used = (self.comp_pool.num_chunks - self.comp_pool.available_chunks()) * self.comp_pool.bytes_per_chunk()
-        return self.device_bytes - self.overhead - used
+        return self.device_bytes - used - drafters * self.scratch - (self.staging if staging else 0)
 
     def exact_bytes(self, committed: int) -> int:
         return (committed + self.growth) * self.kv_bytes
@@ -61,15 +65,11 @@ class ExactPlacement:
         live = {r.rid for r in running}
         for rid in [rid for rid in self.state if rid not in live]:
             del self.state[rid]
-        free = self.free_bytes()
-        used = 0
-        wanted = []
-        for r in running:
-            b = self.exact_bytes(r.kv_committed_len)
-            fits = used + b <= free
-            wanted.append(fits)
-            if fits:
-                used += b
+        sizes = [self.exact_bytes(r.kv_committed_len) for r in running]
+        drafters = sum(1 for r in running if not getattr(r, "decode_only", False))
+        wanted = residency(sizes, self.free_bytes(drafters))
+        if not all(wanted):  # some exact KV stays on the host: the staging ring takes its room
+            wanted = residency(sizes, self.free_bytes(drafters, staging=True))
         out = []
         for r, want in zip(running, wanted):
             st = self.state.get(r.rid)
@@ -95,3 +95,15 @@ class ExactPlacement:
         nbytes = req.kv_committed_len * self.kv_bytes
         self.stats["promoted_bytes"] += nbytes
         return self.engine.submit(lambda: None, nbytes, tag="promote")
+
+
+def residency(exact_bytes: list[int], free_bytes: float) -> list[bool]:
+    """In the given (admission) order, whether each request's exact KV fits what is left after the
+    ones before it that fit: a stable rule, a request never loses its place to a later one."""
+    out, used = [], 0
+    for b in exact_bytes:
+        fits = used + b <= free_bytes
+        out.append(fits)
+        if fits:
+            used += b
+    return out

@@ -69,7 +69,8 @@ class TwoTierKV:
         args = s.server_args
         per_token = s.model_runner.token_to_kv_pool.bytes_per_token()  # all layers
         total = 0
-        if args.kv_mode == "vericache":
+        # Adaptive VeriCache counts the drafts' scratch per drafting request (mem_cache/placement.py).
+        if args.kv_mode == "vericache" and not args.adaptive:
             total += (1 + s.req_to_token_pool.size * (args.max_draft_tokens + 1)) * per_token
         if args.uses_link:
             total += 2 * args.verify_staging_tokens * per_token // s.model_runner.model_config.num_hidden_layers
@@ -79,7 +80,7 @@ class TwoTierKV:
 
     def record_queries(self, req: Req, captured: dict, rows: slice, n_keep: int | None = None) -> None:
         """Appends this pass's queries of req (rows of the flattened batch) to its history."""
-        if not self.needs_queries:
+        if not self.needs_queries or req.spec.decode_only:
             return
         for layer, q in captured.items():
             new = q[rows] if n_keep is None else q[rows][:n_keep]
@@ -93,7 +94,7 @@ class TwoTierKV:
         ps = self.page_size
         c = len(req.comp_indices)
         p = req.kv_committed_len // ps
-        if p <= c:
+        if p <= c or req.spec.decode_only:
             return True
         ids = self.alloc_chunks(p - c)
         if ids is None:
@@ -144,7 +145,7 @@ class TwoTierKV:
         s = self.s
 
         def pages_left(r: Req, have: int) -> int:
-            return max(0, r.prefill_target_len() // ps - have)
+            return 0 if r.spec.decode_only else max(0, r.prefill_target_len() // ps - have)
 
         need = pages_left(req, len(match.comp_indices))
         need += sum(pages_left(r, len(r.comp_indices)) for r, _ in batch)
@@ -159,7 +160,8 @@ class TwoTierKV:
     def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
         ps = self.page_size
-        need = sum(max(0, (r.kv_committed_len + new_tokens(r)) // ps - len(r.comp_indices)) for r in running)
+        need = sum(max(0, (r.kv_committed_len + new_tokens(r)) // ps - len(r.comp_indices)) for r in running
+                   if not r.spec.decode_only)
         short = need - self.pool.available_chunks()
         if short > 0:
             self.s.tree_cache.evict_compressed(short)

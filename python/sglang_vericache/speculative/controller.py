@@ -24,20 +24,26 @@ d = (x * draft_row + verify_rows(x)) / (x + 1) seconds of forward time per itera
 decode (x = 0, resident only) emits e = 1 and adds d = c_row + (c_exact + c_qk) * L. A verify reads
 the exact KV once for its x + 1 rows; that sharing (memory-bound attention) is where a round
 saves over x + 1 decode steps, and the fit says how much of it this machine has. Throughput is
-sum(e) / max(c0 + sum(d), link_seconds) with link_seconds = sum over host-tier rounds of
-E_r / ((x + 1) * bandwidth). The controller maximizes it (Dinkelbach's method over the
-per-request choices, with a price on link seconds searched over a small grid), so a round is
-chosen only where it beats decoding, and a host-tier request runs only while it adds throughput.
+sum(e) / T. The link is not averaged over iterations: host-tier requests make v = sum 1/(x + 1)
+verifications per iteration, each t_v = E_r / bandwidth seconds on the link, and an iteration with
+k of them lasts max(F, k * t_v) (F = c0 + sum(d), the forward), so with k = floor(v) or floor(v) + 1
+T = (1 - f) * max(F, floor(v) * t_v) + f * max(F, (floor(v) + 1) * t_v), f = v - floor(v): one long
+transfer stalls every row of its iteration. The controller maximizes sum(e) / T (Dinkelbach's
+method over the per-request choices, with a price on link seconds searched over a small grid,
+each candidate scored by the exact T), so a round is chosen only where it beats decoding, and a
+host-tier request runs only while it adds throughput; it never parks everyone.
 Acceptance: a geometric model (each draft right with probability p, estimated per request from
 its rounds, starting from a prior), A(x) = p (1 - p^x) / (1 - p).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 4.0  # the prior counts as this many forwards of evidence
+MIN_FRACTION = 1e-3  # a fitted coefficient stays at least this fraction of its prior
 FIT_WINDOW = 256  # forwards kept for the fit
 PRIOR_ACCEPT = 0.8
 ACCEPT_PRIOR_ROUNDS = 2.0  # the acceptance prior counts as this many rounds
@@ -100,7 +106,10 @@ class StepCostModel:
             a[i][i] += lam
             b[i] += lam
         x = _solve(a, b)
-        return tuple(max(xi, 0.0) * pi for xi, pi in zip(x, self.prior))
+        # No coefficient falls below MIN_FRACTION of its prior: a cost never fits to zero (or to
+        # NaN from a degenerate window), so every plan keeps a positive, comparable price.
+        return tuple((xi if math.isfinite(xi) and xi > MIN_FRACTION else MIN_FRACTION) * pi
+                     for xi, pi in zip(x, self.prior))
 
     def seconds(self, rows: float, exact_keys: float, comp_keys: float, key_rows: float) -> float:
         c0, c_row, c_exact, c_comp, c_qk = self.coef
@@ -159,6 +168,7 @@ class RequestView:
     accept_rate: float
     comp_keys: int  # keys a draft row reads from the compressed tier (plus the exact tail)
     max_draft: int  # longest round this request may draft now (its budget and max_new_tokens)
+    can_draft: bool = True  # False: no compressed tier of its own (decodes, or one-row streamed verifies)
 
 
 @dataclass
@@ -203,9 +213,12 @@ class VeriCacheController:
         if not r.resident and self.bandwidth is not None:
             link_round = self.kv_bytes * r.committed / self.bandwidth
         draft_row = c_row + (c_comp + c_qk) * r.comp_keys
-        for x in self.draft_lengths:
-            if x > r.max_draft:
-                break
+        # Round lengths: the listed ones that fit, else the longest that does (a host-tier request
+        # near its end may have room for no draft at all: a one-row verify over streamed KV).
+        lengths = sorted({min(x, max(r.max_draft, 0)) for x in self.draft_lengths}) if r.can_draft else [0]
+        if r.resident:
+            lengths = [x for x in lengths if x > 0]
+        for x in lengths:
             keys = r.committed + x / 2  # a verify row sees the committed keys and the rows before it
             verify = (x + 1) * (c_row + c_qk * keys) + c_exact * keys
             e = (1 + expected_accepted(r.accept_rate, x)) / (x + 1)
@@ -223,34 +236,35 @@ class VeriCacheController:
                 pick = [max(o, key=lambda p: p.tokens_per_iter - lam * (p.seconds_per_iter + mu * p.link_seconds_per_iter))
                         for o in opts]
                 d = self._evaluate(pick, c0)
+                if best is None or d.throughput > best.throughput * (1 + 1e-9):
+                    best = d
                 if d.throughput <= lam * (1 + 1e-9):
                     break
                 lam = d.throughput
-            if best is None or d.throughput > best.throughput * (1 + 1e-9):
-                best = d
+        if not any(p.run for p in best.plans) and any(p.run for o in opts for p in o):
+            # Never park everyone: run each request's plan with the most tokens per iteration.
+            best = self._evaluate([max(o, key=lambda p: p.tokens_per_iter) for o in opts], c0)
         return best
 
     @staticmethod
     def _evaluate(plans: list[Plan], c0: float) -> Decision:
-        tokens = sum(p.tokens_per_iter for p in plans if p.run)
-        compute = c0 + sum(p.seconds_per_iter for p in plans if p.run)
-        link = sum(p.link_seconds_per_iter for p in plans if p.run)
-        t = max(compute, link)
+        """Expected tokens per second of running `plans` together. The link is not averaged: an
+        iteration in which k host-tier verifications fall lasts max(forward, k * t_v) (t_v: one
+        verification's link time), and k is floor(v) or floor(v) + 1 for v verifications per
+        iteration on average, so a long transfer stalls every row of its iteration."""
+        run = [p for p in plans if p.run]
+        tokens = sum(p.tokens_per_iter for p in run)
+        compute = c0 + sum(p.seconds_per_iter for p in run)
+        host = [p for p in run if p.link_seconds_per_iter > 0]
+        v = sum(1.0 / (p.draft_len + 1) for p in host)  # host verifications per iteration
+        link = sum(p.link_seconds_per_iter for p in host)  # link seconds per iteration
+        t = compute
+        if v > 0:
+            t_v = link / v
+            k, f = math.floor(v), v - math.floor(v)
+            t = (1 - f) * max(compute, k * t_v) + f * max(compute, (k + 1) * t_v)
         return Decision(plans=plans, throughput=tokens / t if t > 0 else 0.0, iteration_s=t,
                         link_bound=link > compute)
-
-
-def residency(exact_bytes: list[int], free_bytes: float) -> list[bool]:
-    """Which requests keep exact KV in device memory: in the given (admission) order while the
-    device budget left after the compressed tier, draft scratch and staging holds them. A stable
-    rule: a request does not lose its place to a later one."""
-    out, used = [], 0
-    for b in exact_bytes:
-        fits = used + b <= free_bytes
-        out.append(fits)
-        if fits:
-            used += b
-    return out
 
 
 def plan_summary(d: Decision) -> str:

@@ -38,6 +38,11 @@ class VeriCacheState:
     round_started_at: float | None = None
     half_first_round: bool = False
     retractions_at_open: int = 0
+    # Adaptive schedule (speculative/adaptive.py): admitted to decode exactly as full mode does, exact
+    # KV resident, with no compressed tier of its own (nothing folded, no queries kept, no rounds);
+    # and whether this "round" is a planned decode step (x = 0: committed, not counted as a round).
+    decode_only: bool = False
+    decode_step: bool = False
 
     def start(self, draft_target: int) -> None:
         self.drafts, self.draft_masks, self.draft_target = [], [], draft_target
@@ -50,3 +55,4 @@ class VeriCacheState:
         if grammar is not None:
             grammar.rollback(len(self.drafts))
         self.start(0)
+        self.decode_only = self.decode_step = False  # re-admission decides again

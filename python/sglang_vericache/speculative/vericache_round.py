@@ -319,7 +319,9 @@ class VeriCacheRound:
                 self.two_tier.record_queries(req, captured, slice(row, row + v.drafted + 1), n_keep=m)
             req.kv_committed_len += m
             self.memory.truncate_slots(req, req.kv_committed_len)
-            self.account(req, v.drafted, v.accepted, draft_s, verify_s)
+            if not req.spec.decode_step:  # a planned decode step (adaptive.py) is not a round
+                self.account(req, v.drafted, v.accepted, draft_s, verify_s)
+            req.spec.decode_step = False
             req.spec.end()
             row += v.drafted + 1
         if self.two_tier is not None:

@@ -191,8 +191,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         nd, bs, dev = fb.num_draft, fb.batch_size, fb.input_ids.device
         ext_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
         prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
-        if fb.forward_mode.is_mixed() and fb.draft_ctx is None and fb.staged is None:
-            raise ValueError("a MIXED ForwardBatch needs draft_ctx (draft rows) and/or staged (staged rows)")
+        if fb.forward_mode.is_mixed() and fb.draft_ctx is None and fb.staged is None and not fb.num_resident:
+            raise ValueError("a MIXED ForwardBatch needs draft rows (draft_ctx), resident rows (num_resident) "
+                             "and/or staged rows (staged)")
         if any(e != 1 for e in ext_lens[:nd]):
             raise ValueError("draft rows of a MIXED batch take exactly one new token each")
         n_staged = 0 if fb.staged is None else fb.staged.batch_size
