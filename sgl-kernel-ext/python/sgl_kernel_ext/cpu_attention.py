@@ -24,7 +24,7 @@ import torch
 CHUNK = 64
 _SOURCE = Path(__file__).parent / "csrc" / "fixed_chunk_attention.cpp"
 _lock = threading.Lock()
-_loaded: set[str] = set()  # build names loaded in this process
+_loaded: set[tuple[Path, str, tuple[str, ...]]] = set()  # (source, prefix, flags) loaded in this process
 
 
 def cpu_flags() -> str:
@@ -48,12 +48,15 @@ def build_name(source: Path = _SOURCE, prefix: str = "sgl_kernel_ext_cpu", extra
 def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ()) -> None:
     """Build (once per source, flags and CPU) and load a C++ kernel library of this package (its ops
     register themselves); raises RuntimeError with the compiler's message if it cannot be built."""
-    name = build_name(source, prefix, extra_cflags)
+    key = (source, prefix, tuple(extra_cflags))
+    if key in _loaded:  # every kernel call comes here: no hashing, no lock once loaded
+        return
     with _lock:
-        if name in _loaded:
+        if key in _loaded:
             return
         from torch.utils.cpp_extension import load as load_extension
 
+        name = build_name(source, prefix, extra_cflags)
         flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *extra_cflags]
         try:
             load_extension(
@@ -69,7 +72,7 @@ def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ())
                 f"could not build the CPU kernel {source.name} with torch.utils.cpp_extension: {exc}. "
                 "It needs g++ and the Python headers (Debian: apt-get install g++ python3-dev)"
             ) from exc
-        _loaded.add(name)
+        _loaded.add(key)
 
 
 def load() -> None:
