@@ -10,6 +10,7 @@ against draft length, one line per compressor at ratio 4).
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -41,6 +42,15 @@ def plot(rows: list[dict], ratio: float, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def step_ratio(vc_metrics: dict, full_metrics: dict) -> float | None:
+    """Mean DRAFT_DECODE forward seconds over the full run's mean DECODE forward seconds (None if either ran none)."""
+    draft = vc_metrics["forward_seconds"].get("DRAFT_DECODE")
+    full = full_metrics["forward_seconds"].get("DECODE")
+    if not draft or not full:
+        return None
+    return statistics.mean(draft) / statistics.mean(full)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
@@ -55,6 +65,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
                    help="Compute and KV dtype (auto = the checkpoint's bfloat16). In bfloat16 a verify pass and "
                         "a decode step round differently, so outputs can part from full KV at near-ties.")
+    p.add_argument("--out", default="acceptance",
+                   help="Results name under benchmark/results (a subset run: give it another name).")
     args = p.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
@@ -85,6 +97,7 @@ def main() -> None:
             "first_divergence": [first_divergence(vc.outputs[i], full.outputs[i]) for i in diverged],
             "lossy_identical_share": lossy_identical[(name, ratio)],
             "seconds": vc.seconds,
+            "draft_step_vs_full_step": step_ratio(vc.metrics, full.metrics),
             "round_trace": vc.metrics["round_trace"],  # (drafted, accepted) per round, for project_gpu.py
         })
 
@@ -93,18 +106,23 @@ def main() -> None:
         f"{len(ids)} held-out code prompts ({args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens), "
         f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, dtype {args.dtype}; machine: {machine()}",
         "",
-        "| compressor | ratio | X | tokens/round | acceptance rate | VeriCache output = full | lossy output = full |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "`draft step / full step`: a VeriCache run's mean DRAFT_DECODE forward (every running request drafts "
+        "one token) over the full-KV run's mean DECODE forward (same requests).",
+        "",
+        "| compressor | ratio | X | tokens/round | acceptance rate | VeriCache output = full | lossy output = full "
+        "| draft step / full step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ratio = f"{r['ratio']:g}" if r["ratio"] else "-"
         same = "yes" if r["identical_to_full"] else f"NO at {r['first_divergence']}"
+        step = "-" if r.get("draft_step_vs_full_step") is None else f"{r['draft_step_vs_full_step']:.2f}x"
         lines.append(f"| {r['compressor']} | {ratio} | {r['draft_tokens']} | {r['accept_length']:.2f} | "
-                     f"{r['accept_rate']:.0%} | {same} | {r['lossy_identical_share']:.0%} |")
+                     f"{r['accept_rate']:.0%} | {same} | {r['lossy_identical_share']:.0%} | {step} |")
     report = {"model_path": args.model_path, "machine": machine(), "args": vars(args), "rows": rows}
-    write_results("acceptance", report, "\n".join(lines))
-    plot(rows, 4.0 if 4.0 in args.ratios else args.ratios[0], RESULTS / "acceptance.png")
-    print(f"wrote {RESULTS / 'acceptance.png'}")
+    write_results(args.out, report, "\n".join(lines))
+    plot(rows, 4.0 if 4.0 in args.ratios else args.ratios[0], RESULTS / f"{args.out}.png")
+    print(f"wrote {RESULTS / args.out}.png")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
     sampling = sampling or {"temperature": 0.0}
     reqs = [make_request(f"p{i}", ids, max_new_tokens=max_new_tokens, **sampling) for i, ids in enumerate(prompts)]
     sched.metrics.round_trace = []
+    forward_seconds = time_forwards(sched.model_runner)
     t0 = time.perf_counter()
     res = run_to_completion(sched, reqs)
     seconds = time.perf_counter() - t0
@@ -129,11 +130,28 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "spec_accepted": m.spec_accepted_total,
         "retracted": m.num_retracted_total,
         "round_trace": m.round_trace,
+        "forward_seconds": forward_seconds,
     }
     outputs = [res[f"p{i}"].output_ids for i in range(len(prompts))]
     del sched  # its pools are large; free them before the next run builds its own
     gc.collect()
     return RunResult(outputs, seconds, metrics)
+
+
+def time_forwards(model_runner) -> dict[str, list[float]]:
+    """Times every forward of model_runner from now on: -> {forward mode name: [seconds of each forward]}
+    (filled in as the forwards run)."""
+    seconds: dict[str, list[float]] = {}
+    forward = model_runner.forward
+
+    def timed(fb, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(fb, *args, **kwargs)
+        seconds.setdefault(fb.forward_mode.name, []).append(time.perf_counter() - t0)
+        return out
+
+    model_runner.forward = timed
+    return seconds
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
