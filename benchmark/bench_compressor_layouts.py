@@ -23,8 +23,7 @@ from sglang_vericache.compress import (
     get_compressor,
 )
 from sglang_vericache.compress.registry import fp8_supported
-
-QUANTIZERS = ("kivi2", "kivi4", "int8", "fp8")
+from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
 
 
 def shape_from_hf_config(model_path: str) -> dict:

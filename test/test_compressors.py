@@ -19,7 +19,8 @@ from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.compress.quant import f16_at_least, f16_at_most, pack_codes, unpack_codes
 from sglang_vericache.compress.token_drop import attention_mass
 
-TOKEN_DROP = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm")
+TOKEN_DROP = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip")
+QUANTIZERS = ("kivi2", "kivi4", "int8", "fp8", "kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
 
 
 def make(name: str, **kw):
@@ -301,9 +302,17 @@ def test_fp8_error_within_half_ulp_and_grid_exact():
 # kivi2: codes 2 * 128 * 2/8 = 64 (1/8 of 512); key scale+zero 2 * 128 * 2 B / 32 tokens = 16;
 #        value scale+zero 2 heads * 2 groups * 2 * 2 B = 16 per token -> 96. kivi4: 128 + 32 = 160.
 # int8 / fp8: codes 256 + one float16 scale per (token, head) for K and V: 2 * 2 * 2 = 8 -> 264.
+# kvquant3: codes 2 * 128 * 3/8 = 96; key scale+zero per channel 2 * 128 * 2 B / 64 = 8; value
+#        scale+zero per (token, head) 2 * 2 * 2 B = 8; levels 2 * 8 * 2 B / 64 = 0.5; outliers
+#        round(1% of 8192) = 82 per K and V, bf16 value + int16 index: 2 * 82 * 4 / 64 = 10.25;
+#        positions int32: 4 -> 126.75. kvquant4: codes 128, levels 2 * 16 * 2 / 64 = 1 -> 159.25.
+# rotatekv2: codes 64; scale+zero per (token, head, 32 channels) for K and V: 2 * 2 * 2 * 2 * 2 B = 32;
+#        positions 4 -> 100. rotatekv4: 128 + 32 + 4 = 164.
 EXPECTED_BYTES_PER_TOKEN = {
     "streamingllm": 129.0, "snapkv": 129.0, "h2o": 129.0, "knorm": 129.0,
+    "expected_attention": 129.0, "kvzip": 129.0,
     "kivi2": 96.0, "kivi4": 160.0, "int8": 264.0, "fp8": 264.0,
+    "kvquant3": 126.75, "kvquant4": 159.25, "rotatekv2": 100.0, "rotatekv4": 164.0,
 }  # fmt: skip
 
 
@@ -369,7 +378,7 @@ def test_batched_chunks_equal_chunk_by_chunk(name):
 def test_registry_constructs_every_name():
     for name in COMPRESSOR_NAMES:
         assert get_compressor(name, shape_config(name)).name == name
-    assert set(COMPRESSOR_NAMES) == {*TOKEN_DROP, "kivi2", "kivi4", "int8", "fp8"}
+    assert set(COMPRESSOR_NAMES) == {*TOKEN_DROP, *QUANTIZERS}
 
 
 def test_unknown_name_lists_the_names():

@@ -57,7 +57,7 @@ def test_quantizing_compressors_match_the_registry():
     from sglang_vericache.compress.registry import get_compressor, fp8_supported
     from sglang_vericache.server_args import QUANTIZING_COMPRESSORS
 
-    shape = dict(ratio=4, chunk_size=16, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=4, dtype=torch.float32)
+    shape = dict(ratio=4, chunk_size=16, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=8, dtype=torch.float32)
     names = [n for n in COMPRESSOR_NAMES if n != "fp8" or fp8_supported()]
     quantized = {n for n in names if get_compressor(n, CompressorConfig(n, **shape)).layout(0).kind == "quantized"}
     assert quantized == set(QUANTIZING_COMPRESSORS) & set(names)

@@ -8,12 +8,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+# The compressor registry's names and the DROP+QUANT rule, torch-free (tests keep them equal to
+# compress/registry.py); QUANTIZING_COMPRESSORS: layout "quantized", the bit width fixes the ratio.
+from sglang_vericache.compressor_names import KV_COMPRESSORS, split_kv_compressor  # noqa: F401 (re-exported)
+from sglang_vericache.compressor_names import QUANTIZING as QUANTIZING_COMPRESSORS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The compressor registry's names (compress/registry.py; a test keeps the two equal). Listed here
-# so that parsing flags never imports torch.
-KV_COMPRESSORS = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "kivi2", "kivi4", "int8", "fp8")
-# Those whose layout is "quantized": the bit width fixes the ratio (a test keeps this equal to the registry).
-QUANTIZING_COMPRESSORS = ("kivi2", "kivi4", "int8", "fp8")
 DEFAULT_KV_COMPRESSION_RATIO = 4.0
 logger = logging.getLogger(__name__)
 
@@ -261,8 +261,8 @@ class ServerArgs:
             raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
         if self.kv_offload and self.kv_mode != "full":
             raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have tiers")
-        if self.kv_compressor is not None and self.kv_compressor not in KV_COMPRESSORS:
-            raise ValueError(f"--kv-compressor must be one of {', '.join(KV_COMPRESSORS)}, got {self.kv_compressor!r}")
+        if self.kv_compressor is not None:
+            split_kv_compressor(self.kv_compressor)  # a name or DROP+QUANT; ValueError names the bad part
         x = self.speculative_num_draft_tokens
         if x != "auto" and not (str(x).isdigit() and 1 <= int(x) <= 64):
             raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {x!r}")

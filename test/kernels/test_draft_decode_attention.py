@@ -26,9 +26,8 @@ SCALE = D**-0.5
 # Layouts the kernel reads: token drop, int8, fp8, kivi (and drop+those). kvquant's non-uniform levels
 # with exact outliers and rotatekv's Hadamard basis are not among them: they draft on the torch path.
 TORCH_PATH_ONLY = ("kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
-# Composed layouts (snapkv+kivi4, pyramidkv+int8) join this list when DROP+QUANT composition lands in
-# compress/ (issue 17, in progress): the registry here does not parse them yet.
-NAMES = [n for n in COMPRESSOR_NAMES if (n != "fp8" or fp8_supported()) and n not in TORCH_PATH_ONLY]
+NAMES = [n for n in COMPRESSOR_NAMES + ("snapkv+kivi4", "pyramidkv+int8")
+         if (n != "fp8" or fp8_supported()) and n not in TORCH_PATH_ONLY]
 # (compressed chunks, tail rows, draft rows) per request (token drop keeps 5 rows of 16 per chunk):
 # odd totals across 64-key chunk edges,
 # an empty tail, one chunk, no chunk, no drafts
@@ -181,8 +180,7 @@ def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thre
 
 def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():
     assert compressed_layer("quantized", {"k": torch.zeros(1, dtype=torch.uint8), "codebook": torch.zeros(1)}) is None
-    # (those registered: kvquant and rotatekv land with issue 17's compressors)
-    for name in (n for n in TORCH_PATH_ONLY if n in COMPRESSOR_NAMES):  # codes that are not kivi's
+    for name in TORCH_PATH_ONLY:  # their codes are not kivi's although rotatekv's are min-max codes too
         assert compressed_layer("quantized", Case(name, torch.float32, mix=[(1, 0, 1)]).pool.buffers[0]) is None
     assert compressed_layer("product_quantized", {"k": torch.zeros(1), "v": torch.zeros(1)}) is None
     case = Case("int8", torch.float32, mix=[(1, 2, 1)])

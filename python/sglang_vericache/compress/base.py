@@ -48,8 +48,18 @@ class CompressorConfig:
     pyramid_beta: int = 20  # smallest layer budget = ceil(mean budget / beta), as PyramidKV's beta
     # h2o
     h2o_recent_fraction: float = 0.5  # share of the budget given to the chunk's most recent tokens
-    # kivi
-    group_size: int = 32  # G: tokens per key group, channels per value group
+    # kivi, rotatekv
+    group_size: int = 32  # G: kivi's tokens per key group and channels per value group; rotatekv's channels
+    # expected_attention
+    n_future_positions: int = 512  # future query positions the expected RoPE rotation is averaged over
+    # kvzip
+    kvzip_prompt_tokens: int = 8  # length of the repeat prompt before the reconstructed chunk (proxy offset)
+    # kvquant
+    outlier_fraction: float = 0.01  # share of each chunk's K (and V) values kept exact in a sparse side list
+    kmeans_iters: int = 8  # Lloyd iterations fitting the chunk's non-uniform levels
+    # RoPE of the model (kvquant, rotatekv: pre-RoPE keys; expected_attention, kvzip: positions), as
+    # layers/rotary_embedding.get_rope_parameters gives it; None -> default RoPE, theta 10000
+    rope_parameters: dict | None = None
 
     def __post_init__(self) -> None:
         if self.ratio < 1:
@@ -66,14 +76,22 @@ class CompressorConfig:
             raise ValueError("window_size, group_size and pyramid_beta must be >= 1, num_sink_tokens >= 0")
         if not 0 <= self.h2o_recent_fraction <= 1:
             raise ValueError(f"h2o_recent_fraction must be in [0, 1], got {self.h2o_recent_fraction}")
+        if not 0 <= self.outlier_fraction < 1:
+            raise ValueError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")
+        if self.n_future_positions < 1 or self.kvzip_prompt_tokens < 0 or self.kmeans_iters < 0:
+            raise ValueError("n_future_positions must be >= 1, kvzip_prompt_tokens and kmeans_iters >= 0")
 
     @staticmethod
     def from_model_config(
         name: str, ratio: float, chunk_size: int, model_config, dtype: torch.dtype | None = None, **options
     ) -> CompressorConfig:
-        """Shape and exact dtype from a ModelConfig (num_hidden_layers, num_key_value_heads, ...);
-        dtype: the exact tier's when it differs from the model's (--kv-cache-dtype)."""
+        """Shape, exact dtype and RoPE from a ModelConfig (num_hidden_layers, num_key_value_heads, ...,
+        hf_config); dtype: the exact tier's when it differs from the model's (--kv-cache-dtype)."""
         m = model_config
+        if getattr(m, "hf_config", None) is not None and "rope_parameters" not in options:
+            from sglang_vericache.layers.rotary_embedding import get_rope_parameters
+
+            options["rope_parameters"] = get_rope_parameters(m.hf_config)
         return CompressorConfig(
             name,
             ratio=ratio,
@@ -112,7 +130,7 @@ class Layout:
 
     kind: LayoutKind
     chunk_size: int  # T exact tokens in
-    rows: int  # rows decompress() returns per KV head: k_l for token drop, T for quantizers
+    rows: int  # rows decompress() returns per KV head: T for quantizers, k_l for token drop and drop+quantize
     tensors: tuple[TensorSpec, ...]
 
     def chunk_nbytes(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sglang_vericache.compress.base import CompressedChunk, KVCompressor, Layout, TensorSpec
-from sglang_vericache.compress.quant import F16_TINY, f16_at_least, f16_at_most, pack_codes, unpack_codes
+from sglang_vericache.compress.quant import minmax_quantize, pack_codes, unpack_codes
 
 
 class KIVICompressor(KVCompressor):
@@ -17,14 +17,15 @@ class KIVICompressor(KVCompressor):
     not yet in a whole chunk). Key groups shrink to T when T < G. Inputs must lie in float16 range.
     """
 
-    def __init__(self, config, bits: int):
+    def __init__(self, config, bits: int, key_group: int | None = None):
         super().__init__(config)
         if bits not in (2, 4):
             raise ValueError(f"kivi supports 2 or 4 bits, got {bits}")
         self.bits, self.levels = bits, (1 << bits) - 1
         self.name = f"kivi{bits}"
         c = config
-        self.key_group = min(c.group_size, c.chunk_size)
+        # key_group: tokens per key group when not min(G, T) (composition: the kept rows of a dropper)
+        self.key_group = min(c.group_size, c.chunk_size) if key_group is None else key_group
         self.value_group = min(c.group_size, c.head_dim)
         if c.chunk_size % self.key_group or c.head_dim % self.value_group or c.head_dim % (8 // bits):
             raise ValueError(
@@ -53,10 +54,7 @@ class KIVICompressor(KVCompressor):
 
     def _quantize(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x grouped with the group axis at `dim` -> (codes like x, scale, zero) reduced over dim."""
-        zero = f16_at_most(x.amin(dim=dim))
-        scale = f16_at_least(((x.amax(dim=dim) - zero.float()) / self.levels).clamp_min(F16_TINY))
-        codes = torch.round((x - zero.float().unsqueeze(dim)) / scale.float().unsqueeze(dim))
-        return codes.clamp(0, self.levels), scale, zero
+        return minmax_quantize(x, dim, self.levels)
 
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)

@@ -1,4 +1,4 @@
-"""Shared quantizer pieces: directed float16 rounding, bit packing, per-token scaled codes."""
+"""Shared quantizer pieces: directed float16 rounding, bit packing, min-max codes, per-token scaled codes."""
 
 from __future__ import annotations
 
@@ -36,6 +36,39 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
     codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., D] codes in [0, 2^bits), bits 1..8, D a multiple of 8 -> [..., D * bits / 8] uint8: each
+    run of 8 codes is one little-endian bit stream of `bits` bytes, code k at bit bits*k (for 2 and
+    4 bits this is pack_codes' layout, byte for byte)."""
+    grouped = codes.to(torch.int64).reshape(*codes.shape[:-1], -1, 8)
+    word = (grouped << torch.arange(0, 8 * bits, bits, device=codes.device)).sum(dim=-1)  # [..., D/8]
+    octets = (word[..., None] >> torch.arange(0, 8 * bits, 8, device=codes.device)) & 0xFF
+    return octets.to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_bits: [..., B] uint8 -> [..., B * 8 / bits] int32 codes."""
+    if 8 % bits == 0:
+        return unpack_codes(packed, bits)  # the same layout, one byte at a time
+    wide = torch.int32 if bits <= 3 else torch.int64  # the 8 * bits-bit word of a run of 8 codes
+    octets = packed.to(wide).reshape(*packed.shape[:-1], -1, bits)
+    word = (octets << torch.arange(0, 8 * bits, 8, dtype=wide, device=packed.device)).sum(dim=-1, dtype=wide)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=wide, device=packed.device)
+    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.to(torch.int32).reshape(*packed.shape[:-1], -1)
+
+
+def minmax_quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric min-max codes over the group axis `dim` of float32 x: zero = the group min rounded
+    down to float16, scale = (max - zero) / levels rounded up (at least F16_TINY), code =
+    round((x - zero) / scale) in [0, levels], so |x - (code * scale + zero)| <= scale / 2.
+    -> (codes like x, float32; scale, zero float16, reduced over dim)."""
+    zero = f16_at_most(x.amin(dim=dim))
+    scale = f16_at_least(((x.amax(dim=dim) - zero.float()) / levels).clamp_min(F16_TINY))
+    codes = torch.round((x - zero.float().unsqueeze(dim)) / scale.float().unsqueeze(dim))
+    return codes.clamp(0, levels), scale, zero
 
 
 class PerTokenScaledCompressor(KVCompressor):

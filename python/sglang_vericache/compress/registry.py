@@ -1,4 +1,5 @@
-"""Compressors by name (`--kv-compressor NAME`). Each factory imports its module lazily."""
+"""Compressors by name (`--kv-compressor NAME`, or `DROP+QUANT` for a dropper then a quantizer of
+what it keeps). Each factory imports its module lazily."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import torch
 
 from sglang_vericache.compress.base import CompressorConfig, KVCompressor
+from sglang_vericache.compressor_names import split_kv_compressor
 
 # name -> (module, class, extra constructor kwargs)
 _COMPRESSORS: dict[str, tuple[str, str, dict]] = {
@@ -20,20 +22,39 @@ _COMPRESSORS: dict[str, tuple[str, str, dict]] = {
     "kivi4": ("kivi", "KIVICompressor", {"bits": 4}),
     "int8": ("int8", "Int8Compressor", {}),
     "fp8": ("fp8", "FP8Compressor", {}),
+    "expected_attention": ("expected_attention", "ExpectedAttentionCompressor", {}),
+    "kvzip": ("kvzip", "KVzipCompressor", {}),
+    "kvquant3": ("kvquant", "KVQuantCompressor", {"bits": 3}),
+    "kvquant4": ("kvquant", "KVQuantCompressor", {"bits": 4}),
+    "rotatekv2": ("rotatekv", "RotateKVCompressor", {"bits": 2}),
+    "rotatekv4": ("rotatekv", "RotateKVCompressor", {"bits": 4}),
 }
 COMPRESSOR_NAMES: tuple[str, ...] = tuple(_COMPRESSORS)
 logger = logging.getLogger(__name__)
 
 
+def resolve(name: str) -> tuple[type, dict]:
+    """A registered name -> (its class, its constructor kwargs besides the config)."""
+    module, cls, kwargs = _COMPRESSORS[name]
+    return getattr(importlib.import_module(f"sglang_vericache.compress.{module}"), cls), dict(kwargs)
+
+
 def get_compressor(name: str, config: CompressorConfig) -> KVCompressor:
-    if name not in _COMPRESSORS:
-        raise ValueError(f"unknown kv compressor {name!r}; choose one of: {', '.join(COMPRESSOR_NAMES)}")
+    parts = split_kv_compressor(name)  # ValueError naming the unknown or misplaced part
     if config.name != name:
         raise ValueError(f"get_compressor({name!r}) got a config for {config.name!r}")
-    module, cls, kwargs = _COMPRESSORS[name]
-    comp = getattr(importlib.import_module(f"sglang_vericache.compress.{module}"), cls)(config, **kwargs)
+    if len(parts) == 2:
+        from sglang_vericache.compress.compose import compose
+
+        comp = compose(config, resolve, *parts)
+        logger.info("%s: %s keeps %d of %d rows per head, %s quantizes them: %.2fx smaller than exact",
+                    name, parts[0], comp.layout(0).rows, config.chunk_size, parts[1], comp.effective_ratio())
+        return comp
+    cls, kwargs = resolve(name)
+    comp = cls(config, **kwargs)
     if comp.layout(0).kind == "quantized":
-        logger.info("%s ignores ratio %g; its layout sets the ratio: %.3f", name, config.ratio, comp.effective_ratio())
+        logger.info("%s ignores ratio %g; its layout sets the ratio: %.3f", name, config.ratio,
+                    comp.effective_ratio())
     return comp
 
 

@@ -43,9 +43,13 @@ class TokenDropCompressor(KVCompressor):
     ) -> torch.Tensor:
         """[..., H_kv, k_l] int64 chunk-relative indices to keep, ascending per head."""
 
+    def keep(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q, positions) -> torch.Tensor:
+        """What compress() keeps: select()'s indices; methods that also score values override this."""
+        return self.select(layer_id, k, q, positions)
+
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)
-        rows = self.select(layer_id, k, q, positions).transpose(-1, -2)  # [..., n, H]
+        rows = self.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
         gather = rows[..., None].expand(*rows.shape, k.shape[-1])
         dtype = self.config.dtype
         return CompressedChunk(

@@ -1,0 +1,93 @@
+"""Composition `DROP+QUANT` (`--kv-compressor snapkv+kivi4`): drop tokens, then quantize what is kept.
+
+A composed chunk of layer l is the quantizer's chunk of the dropper's k_l kept rows: its layout
+is "quantized" with rows = k_l, and its tensors are the quantizer's for a chunk of k_l rows (no
+kept-index tensor: RoPE is in the keys already, and attention over the compressed tier is a
+plain softmax over the rows, so which token a row came from is not needed). So the tier shrinks
+by both factors, e.g. 4 x 3.2 for snapkv at ratio 4 with kivi4, and the backends read it like
+any quantized layout (a kivi / int8 / fp8 quantizer's, with k_l rows, is the fused CPU kernel's).
+
+Row j of head h is that head's j-th kept token, so a quantizer that groups rows (kivi's key
+groups) groups each head's kept tokens in order, and one that needs positions (kvquant, rotatekv:
+pre-RoPE keys) gets each row's own, per head ([k_l, H]).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from sglang_vericache.compress.base import CompressedChunk, KVCompressor, Layout
+from sglang_vericache.compress.token_drop import TokenDropCompressor
+
+
+class ComposedCompressor(KVCompressor):
+    def __init__(self, config, drop: TokenDropCompressor, quantizer: Callable[[int], KVCompressor]):
+        """quantizer(rows) -> the quantizer for chunks of `rows` rows (one per distinct k_l)."""
+        super().__init__(config)
+        self.name = config.name
+        self.drop = drop
+        self.stages: dict[int, KVCompressor] = {}
+        for layer in range(config.num_layers):
+            rows = drop.rows(layer)
+            if rows not in self.stages:
+                self.stages[rows] = quantizer(rows)
+
+    def stage(self, layer_id: int) -> KVCompressor:
+        return self.stages[self.drop.rows(layer_id)]
+
+    def layout(self, layer_id: int) -> Layout:
+        rows = self.drop.rows(layer_id)
+        inner = self.stage(layer_id).layout(layer_id)
+        return Layout(kind="quantized", chunk_size=self.config.chunk_size, rows=rows, tensors=inner.tensors)
+
+    def query_window(self, layer_id: int) -> int:
+        return self.drop.query_window(layer_id)
+
+    def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
+        self._check_kv(k, v)
+        rows = self.drop.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
+        gather = rows[..., None].expand(*rows.shape, k.shape[-1])
+        kept_k, kept_v = torch.gather(k, -3, gather), torch.gather(v, -3, gather)
+        kept_pos = None
+        if positions is not None:
+            per_head = positions.to(k.device)[..., None].expand(*positions.shape, k.shape[-2])  # [..., T, H]
+            kept_pos = torch.gather(per_head, -2, rows)
+        return self.stage(layer_id).compress(layer_id, kept_k, kept_v, positions=kept_pos)
+
+    def decompress(self, layer_id, chunk):
+        return self.stage(layer_id).decompress(layer_id, chunk)
+
+
+def compose(
+    config, resolve: Callable[[str], tuple[type, dict]], drop_name: str, quant_name: str
+) -> ComposedCompressor:
+    """drop_name then quant_name, two registered names; resolve(name) -> (class, constructor kwargs)."""
+    drop_cls, drop_kwargs = resolve(drop_name)
+    drop = drop_cls(replace(config, name=drop_name), **drop_kwargs)
+    if not isinstance(drop, TokenDropCompressor):
+        raise ValueError(
+            f"--kv-compressor {config.name}: {drop_name!r} does not drop tokens; a composition "
+            "is a token-dropping compressor then a quantizer"
+        )
+    quant_cls, quant_kwargs = resolve(quant_name)
+
+    def quantizer(rows: int) -> KVCompressor:
+        cfg = replace(config, name=quant_name, chunk_size=rows)
+        kwargs = dict(quant_kwargs)
+        if quant_name.startswith("kivi") and rows > cfg.group_size and rows % cfg.group_size:
+            kwargs["key_group"] = math.gcd(rows, cfg.group_size)  # key groups that tile the kept rows
+        if getattr(quant_cls, "takes_kept_rows_positions", False):
+            kwargs["per_head_positions"] = True
+        stage = quant_cls(cfg, **kwargs)
+        if stage.layout(0).kind != "quantized":
+            raise ValueError(
+                f"--kv-compressor {config.name}: {quant_name!r} is not a quantizer; a composition "
+                "is a token-dropping compressor then a quantizer"
+            )
+        return stage
+
+    return ComposedCompressor(config, drop, quantizer)
