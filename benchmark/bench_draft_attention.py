@@ -1,23 +1,35 @@
 """DRAFT_DECODE (compressed chunks + exact tail + drafts) vs exact DECODE on the same contexts.
 
-    .venv/bin/python benchmark/bench_draft_attention.py --batch 16 --context 1000 --threads 1
+    .venv/bin/python benchmark/bench_draft_attention.py       # fp32 and bf16, 1 and 2 threads, every compressor
+    .venv/bin/python benchmark/bench_draft_attention.py --dtypes float32 --threads 1 --compressors kivi4 --no-write
 
 A random llama (hidden 512, 8 query / 2 KV heads of 64, 4 layers) on the torch backend. Every
-request has `--context` tokens of exact KV; the drafting copy of each compresses all its whole
-pages. Steps are timed interleaved (DECODE, then each compressor), `--steps` in a row (the
-draft depth grows 1..steps), `--repeats` times; medians. Two clocks: the whole forward
+request has `--context` tokens of exact KV; its drafting twin compresses all its whole pages
+(query-scored compressors score with random queries: arbitrary rows kept, the real layout). Modes,
+timed interleaved, `--steps` in a row (the draft depth grows 1..steps), `--repeats` times:
+- DECODE: full mode's decode step (SDPA over the gathered exact KV);
+- DECODE fixed-chunk: the same with the batch-invariant kernel (deterministic inference, on by
+  default in the two-tier modes: their verify and decode steps use it);
+- DRAFT_DECODE per compressor through the fused CPU kernel (the torch backend's path on a CPU), and
+  through the torch path (gathers, dequantized copies, SDPA: the path before the kernel) unless
+  --no-torch-path.
+Each repeat's median per mode; reported: the median over repeats. Two clocks: the whole forward
 (model + attention) and the attention backend alone (metadata + every layer's attention).
+Writes benchmark/results/draft_attention.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 
 import torch
 
+from common import machine, write_results
+from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
 from sglang_vericache.server_args import ServerArgs
@@ -40,8 +52,10 @@ def attention_only(runner: ModelRunner, fb) -> float:
     fb.req_to_token_pool, fb.token_to_kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
     fb.attn_backend = backend
     bs, hd = fb.batch_size, cfg.head_dim
-    q = torch.randn(bs, cfg.num_attention_heads * hd)
-    k, v = torch.randn(bs, cfg.num_key_value_heads * hd), torch.randn(bs, cfg.num_key_value_heads * hd)
+    dt = runner.dtype
+    q = torch.randn(bs, cfg.num_attention_heads * hd).to(dt)
+    k = torch.randn(bs, cfg.num_key_value_heads * hd).to(dt)
+    v = torch.randn(bs, cfg.num_key_value_heads * hd).to(dt)
     with torch.inference_mode():
         t0 = time.perf_counter()
         backend.init_forward_metadata(fb)
@@ -50,27 +64,34 @@ def attention_only(runner: ModelRunner, fb) -> float:
         return time.perf_counter() - t0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--context", type=int, default=1000)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--ratio", type=float, default=4)
-    p.add_argument("--compressors", nargs="+", default=["streamingllm", "kivi4", "int8"])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+def timed(runner: ModelRunner, fb, step_s: list, attn_s: list, **backend_flags) -> None:
+    backend = runner.attn_backend
+    saved = {name: getattr(backend, name) for name in backend_flags}
+    for name, value in backend_flags.items():
+        setattr(backend, name, value)
+    try:
+        t0 = time.perf_counter()
+        runner.forward(fb)
+        step_s.append(time.perf_counter() - t0)
+        attn_s.append(attention_only(runner, fb))
+    finally:
+        for name, value in saved.items():
+            setattr(backend, name, value)
+
+
+def run_setting(args, dtype: str, threads: int) -> dict:
+    """Every mode at one (dtype, thread count) -> {mode: {"step_ms", "attn_ms"}} (medians over repeats),
+    and "load": the machine's 1-minute load average before and after (other jobs share the cores)."""
+    load_before = os.getloadavg()[0]
+    torch.set_num_threads(threads)
     bs, ctx, ps = args.batch, args.context, args.page_size
     path = make_random_checkpoint("llama", tempfile.mkdtemp(prefix="bench-draft-"), **MODEL)
     total = (bs * 2 * (ctx + args.steps * args.repeats + ps) // ps + 4) * ps
-    runner = ModelRunner(ServerArgs(model_path=path, dtype=args.dtype, page_size=ps, max_total_tokens=total,
-                                    max_running_requests=2 * bs, num_threads=args.threads))
+    runner = ModelRunner(ServerArgs(model_path=path, dtype=dtype, page_size=ps, max_total_tokens=total,
+                                    max_running_requests=2 * bs, num_threads=threads))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 400, (ctx,), generator=g).tolist() for _ in range(bs)]
-    # exact requests (DECODE) and their drafting twins (same KV, first pages compressed)
+    # exact requests (DECODE) and their drafting twins (same KV, whole pages compressed)
     exact_reqs, twin_reqs = [new_req(runner) for _ in prompts], [new_req(runner) for _ in prompts]
     for reqs in (exact_reqs, twin_reqs):
         for i in range(0, bs, 4):
@@ -79,38 +100,98 @@ def main() -> None:
     setups = {}
     for name in args.compressors:
         cpool = make_compressed_pool(runner, name, args.ratio, num_chunks=bs * pages, group_size=min(32, ps))
-        setups[name] = (cpool, [compress_prefix(runner, cpool, r, pages) for r in twin_reqs])
-        kib = cpool.bytes_per_chunk() / ps / 1024
-        print(f"{name}: layout {cpool.layouts[0].kind}, rows/chunk {cpool.layouts[0].rows}, "
-              f"{kib:.2f} KiB/token vs exact {runner.token_to_kv_pool.bytes_per_token() / 1024:.2f}")
-    step_s: dict[str, list[float]] = {k: [] for k in ["DECODE", *args.compressors]}
-    attn_s: dict[str, list[float]] = {k: [] for k in step_s}
-    for rep in range(args.repeats):
-        draft = DraftPool(runner, num_slots=len(setups) * bs * args.steps + 1)  # fresh drafts each repeat
+        setups[name] = (cpool, [compress_prefix(runner, cpool, r, pages, random_queries=g) for r in twin_reqs])
+    draft_modes = [(name, path) for name in args.compressors for path in args.paths]
+    modes = ["DECODE", "DECODE fixed-chunk", *(f"{n} {p}" for n, p in draft_modes)]
+    step_s = {m: [[] for _ in range(args.repeats + 1)] for m in modes}  # [-1]: the warm-up
+    attn_s = {m: [[] for _ in range(args.repeats + 1)] for m in modes}
+    for rep in [-1, *range(args.repeats)]:  # repeat -1: one untimed warm-up step of every mode
+        draft = DraftPool(runner, num_slots=len(draft_modes) * bs * args.steps + 1)  # fresh drafts each repeat
         for d in (d for _, ds in setups.values() for d in ds):
             d.draft_slots = []
-        for step in range(args.steps):
+        for step in range(1 if rep < 0 else args.steps):
             ids = [int(t) for t in torch.randint(3, 400, (bs,), generator=g)]
             fb = prepare_forward_batch(runner, exact_reqs, [[t] for t in ids], ForwardMode.DECODE)
-            t0 = time.perf_counter()
-            runner.forward(fb)
-            step_s["DECODE"].append(time.perf_counter() - t0)
-            attn_s["DECODE"].append(attention_only(runner, fb))
+            timed(runner, fb, step_s["DECODE"][rep], attn_s["DECODE"][rep], deterministic=False)
+            timed(runner, fb, step_s["DECODE fixed-chunk"][rep], attn_s["DECODE fixed-chunk"][rep], deterministic=True)
             for name, (cpool, dreqs) in setups.items():
                 fb = prepare_draft_batch(runner, cpool, dreqs, ids, draft)
-                t0 = time.perf_counter()
-                runner.forward(fb)
-                step_s[name].append(time.perf_counter() - t0)
-                attn_s[name].append(attention_only(runner, fb))
-    base = statistics.median(step_s["DECODE"])
-    base_attn = statistics.median(attn_s["DECODE"])
-    print(f"batch {bs}, context {ctx} (+{args.steps} steps), page {ps}, ratio {args.ratio}, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s); medians over {args.steps * args.repeats} steps")
-    print(f"{'mode':>26} {'step ms':>9} {'vs DECODE':>10} {'attn ms':>9} {'vs DECODE':>10}")
-    for name in step_s:
-        s, a = statistics.median(step_s[name]), statistics.median(attn_s[name])
-        label = "DECODE (exact)" if name == "DECODE" else f"DRAFT_DECODE {name}"
-        print(f"{label:>26} {1e3 * s:9.2f} {s / base:10.2f} {1e3 * a:9.2f} {a / base_attn:10.2f}")
+                for p in args.paths:
+                    m = f"{name} {p}"
+                    timed(runner, fb, step_s[m][rep], attn_s[m][rep], fused_draft=p == "fused", deterministic=False)
+    def med(runs: list[list[float]]) -> float:
+        return 1e3 * statistics.median(statistics.median(r) for r in runs[:-1])
+
+    out = {m: {"step_ms": med(step_s[m]), "attn_ms": med(attn_s[m]),
+               "step_ms_per_repeat": [round(1e3 * statistics.median(r), 2) for r in step_s[m][:-1]]}
+           for m in modes}
+    out["load"] = [load_before, os.getloadavg()[0]]
+    return out
+
+
+def table(results: dict, args) -> str:
+    lines = [
+        f"DRAFT_DECODE vs DECODE: batch {args.batch}, context {args.context} (+{args.steps} draft steps), "
+        f"page {args.page_size}, token-drop ratio {args.ratio:g}, random llama (hidden 512, 8 q / 2 KV heads "
+        f"of 64, 4 layers); median over {args.repeats} repeats of each repeat's median over {args.steps} steps",
+        f"machine: {machine(threads=False)}",
+        "",
+        "`step`: the whole forward (model + attention); `attn`: metadata + every layer's attention. "
+        "`draft/full`: a draft step's time over a full DECODE step's (SDPA, full mode's default); "
+        "`vs fixed-chunk`: over DECODE with the batch-invariant kernel (deterministic inference, the "
+        "two-tier modes' default). `torch path`: the same draft step through the torch path (gathers, "
+        "dequantized copies, SDPA), the path before the fused kernel.",
+    ]
+    for key, res in results.items():
+        base, fixed = res["DECODE"], res["DECODE fixed-chunk"]
+        lines += ["", f"### {key}", "",
+                  f"DECODE: step {base['step_ms']:.1f} ms, attn {base['attn_ms']:.1f} ms; DECODE fixed-chunk: "
+                  f"step {fixed['step_ms']:.1f} ms, attn {fixed['attn_ms']:.1f} ms; machine load average "
+                  f"{res['load'][0]:.1f} before, {res['load'][1]:.1f} after", "",
+                  "| compressor | step ms | draft/full step | vs fixed-chunk | attn ms | draft/full attn "
+                  "| torch path step ms | torch path draft/full |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name in args.compressors:
+            f, t = res.get(f"{name} fused"), res.get(f"{name} torch")
+            cells = [name]
+            if f:
+                cells += [f"{f['step_ms']:.1f}", f"{f['step_ms'] / base['step_ms']:.2f}x",
+                          f"{f['step_ms'] / fixed['step_ms']:.2f}x", f"{f['attn_ms']:.1f}",
+                          f"{f['attn_ms'] / base['attn_ms']:.2f}x"]
+            else:
+                cells += ["-"] * 5
+            cells += [f"{t['step_ms']:.1f}", f"{t['step_ms'] / base['step_ms']:.2f}x"] if t else ["-", "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=1600)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--ratio", type=float, default=4, help="Token-drop ratio (quantizers have their own).")
+    p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--no-torch-path", action="store_true", help="Time drafts through the fused kernel only.")
+    p.add_argument("--no-write", action="store_true", help="Print only; do not write benchmark/results.")
+    args = p.parse_args()
+    args.paths = ["fused"] if args.no_torch_path else ["fused", "torch"]
+    results = {}
+    for dtype in args.dtypes:
+        for threads in args.threads:
+            key = f"{dtype}, {threads} thread{'s' if threads > 1 else ''}"
+            results[key] = run_setting(args, dtype, threads)
+            print(table({key: results[key]}, args).split("### ", 1)[1], flush=True)
+    text = table(results, args)
+    if args.no_write:
+        print(text)
+        return
+    report = {"machine": machine(threads=False), "args": {k: v for k, v in vars(args).items()}, "results": results}
+    write_results("draft_attention", report, text)
 
 
 if __name__ == "__main__":

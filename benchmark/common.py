@@ -161,6 +161,25 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def merge_rows(name: str, report: dict, key, settings: tuple[str, ...]) -> dict:
+    """report with the rows of results/<name>.json it did not rerun kept in front (--merge): a rerun
+    row replaces the stored row of the same key(row); settings (args that change every number) must
+    match the stored run's, else ValueError. report["args"]["compressors"] becomes the union."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return report
+    old = json.loads(path.read_text())
+    differ = [s for s in settings if old["args"].get(s) != report["args"].get(s)]
+    if differ:
+        raise ValueError(f"--merge: {path} was run with other {', '.join(differ)}: "
+                         + ", ".join(f"{s}={old['args'].get(s)!r}" for s in differ))
+    new_keys = {key(r) for r in report["rows"]}
+    kept = [r for r in old["rows"] if key(r) not in new_keys]
+    args = dict(report["args"])
+    args["compressors"] = list(dict.fromkeys(old["args"]["compressors"] + args["compressors"]))
+    return {**report, "args": args, "rows": kept + report["rows"], "merged_from": str(path)}
+
+
 def write_results(name: str, report: dict, table: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))

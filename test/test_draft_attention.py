@@ -309,6 +309,31 @@ def test_fused_kernel_gives_the_torch_paths_draft_logits(runner, compressor):
     assert torch.equal(fused.argmax(-1), torch_path.argmax(-1))
 
 
+def test_without_the_kernel_drafting_takes_the_torch_path_with_a_warning(runner, monkeypatch, caplog):
+    """A kernel that cannot be built (no compiler): one warning, then every draft layer on the torch path."""
+    import sgl_kernel_ext.cpu_draft_attention as cda
+
+    from sglang_vericache.layers.attention import draft_kernel
+
+    def no_compiler():
+        raise RuntimeError("could not build the CPU kernel draft_decode_attention.cpp: g++ not found")
+
+    monkeypatch.setattr(draft_kernel, "_kernel_ok", None)
+    monkeypatch.setattr(cda, "load", no_compiler)
+    monkeypatch.setattr(cda, "draft_decode_attention", None)  # calling the kernel would fail loudly
+    fb, reqs = draft_batch(runner, "kivi4")
+    backend = runner.attn_backend
+    with caplog.at_level("WARNING", logger=draft_kernel.__name__):
+        backend.fused_draft = None  # decided again at this forward
+        logits = runner.forward(fb)
+    assert backend.fused_draft is False
+    assert "fused CPU kernel is unavailable" in caplog.text and "g++ not found" in caplog.text
+    backend.fused_draft = False
+    assert torch.equal(logits, runner.forward(fb))  # the torch path's logits
+    backend.fused_draft = None
+    release(runner, reqs)
+
+
 @pytest.mark.parametrize("compressor", ["knorm", "kivi4"])
 def test_fused_kernel_in_bfloat16_reads_the_rows_the_torch_path_reads(checkpoint, compressor):
     """bf16 attention of one layer, same q / k / v: both paths read dequantized rows rounded to bf16;
