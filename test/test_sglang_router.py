@@ -1,21 +1,34 @@
-"""End to end behind sglang-router (`python -m sglang_router.launch_router --worker-urls` two of our
-servers on the bundled model), as a user runs it: both workers register and serve, native /generate
-(plain and streaming) and the OpenAI endpoints pass through, and the worker endpoints the router calls
-(/health, /server_info, /model_info, /get_model_info, /get_load, /metrics, /flush_cache) answer in
-SGLang's shape. Skipped when the sglang-router package is not installed."""
+"""sglang-router in front of our servers, both ways a user runs it, on one set of two replicas (the
+bundled model):
+
+- `launch_server --dp-size 2` (dp/controller.py): its /server_info lists both replicas, requests
+  through its --port are answered by both replicas with one server's tokens and logprobs (native,
+  streamed, OpenAI), a killed replica's stream ends with an error event naming it while new requests
+  go to the other, and stopping launch_server stops every child;
+- the router run by hand (`python -m sglang_router.launch_router --worker-urls`) in front of the same
+  two replicas: both register, /generate (plain, streamed with logprobs) and the OpenAI endpoints pass
+  through, and the worker endpoints the router calls (/health, /server_info, /model_info,
+  /get_model_info, /get_load, /metrics, /flush_cache) answer in SGLang's shape.
+
+The tests run in file order (pytest's default): the replica kill and the shutdown come last.
+Skipped when the sglang-router package is not installed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -23,8 +36,9 @@ from sglang_vericache.server_args import default_model_path
 
 pytest.importorskip("sglang_router")
 
-ROUTER_START_TIMEOUT_S = 60
+START_TIMEOUT_S = 180
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+PROMPT = "def f(x):\n    return"
 MODEL = default_model_path()
 
 
@@ -34,80 +48,178 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def workers(server):
-    # --log-requests: each worker's log names the rids it served. The seeds make them two servers.
-    flags = ("--log-requests", "--log-level", "info")
-    return [server(MODEL, *flags, "--random-seed", str(i)) for i in range(2)]
-
-
-@pytest.fixture(scope="module")
-def router(workers, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("router") / "router.log"
-    args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
-            *(w.base_url for w in workers), "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "round_robin", "--log-level", "warn"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"the router exited:\n{log_path.read_text()[-4000:]}"
-            try:
-                ready = requests.get(url + "/readiness", timeout=2)
-                if ready.status_code == 200 and ready.json().get("healthy_workers") == 2:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, f"router not ready:\n{log_path.read_text()[-4000:]}"
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(15)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(15)
 
 
-def test_both_workers_register(router, workers):
-    listed = requests.get(router + "/workers", timeout=30).json()["workers"]
-    assert sorted(w["url"] for w in listed) == sorted(w.base_url for w in workers)
+@dataclass
+class DataParallelServer:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    replica_urls: list[str]
+    replica_pids: list[int]
+    hand_router: subprocess.Popen  # started early: its import takes seconds
+    hand_router_url: str
+    hand_router_log: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def served_by(self, rid: str, marker: str = "Finish") -> list[int]:
+        """The dp ranks whose log lines say they served rid."""
+        return sorted({int(m) for m in re.findall(rf"^\[dp(\d)\] .*{marker}: rid={re.escape(rid)} ",
+                                                  self.log(), re.M)})
 
 
-def test_generate_through_the_router_is_served_by_both_workers_with_the_same_tokens(router, workers):
-    prompt = "def f(x):\n    return"
-    body = {"text": prompt, "sampling_params": GREEDY}
-    direct = requests.post(workers[0].base_url + "/generate", json=body, timeout=120).json()
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("dp")
+    port = free_port()
+    log_path = logs / "launch_server.log"
+    args = [sys.executable, "-m", "sglang_vericache.launch_server", "--model-path", MODEL, "--port", str(port),
+            "--dp-size", "2", "--log-requests", "--log-level", "info", "--router-policy", "round_robin",
+            "--router-prometheus-port", str(free_port())]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    hand = None
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # the front binds --port once both replicas and the router are up
+            assert proc.poll() is None, f"launch_server exited:\n{log_path.read_text()[-4000:]}"
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"not up:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.5)
+        info = requests.get(url + "/server_info", timeout=30).json()
+        replica_urls = [r["url"] for r in info["replicas"]]
+        hand_port = free_port()
+        hand_log = logs / "router.log"
+        with open(hand_log, "w") as log:
+            hand = subprocess.Popen(
+                [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *replica_urls,
+                 "--host", "127.0.0.1", "--port", str(hand_port), "--policy", "round_robin",
+                 "--log-level", "warn", "--prometheus-port", str(free_port())],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        yield DataParallelServer(proc, url, log_path, replica_urls, [r["pid"] for r in info["replicas"]],
+                                 hand, f"http://127.0.0.1:{hand_port}", hand_log)
+    finally:
+        for p in (hand, proc):
+            if p is not None:
+                stop(p)
+
+
+@pytest.fixture(scope="module")
+def expected(dp):
+    """One server's answer (replica 0 asked directly), with logprobs."""
+    body = {"text": PROMPT, "sampling_params": GREEDY, "return_logprob": True}
+    return requests.post(dp.replica_urls[0] + "/generate", json=body, timeout=120).json()
+
+
+@pytest.fixture(scope="module")
+def router(dp):
+    """The router run by hand in front of the two replicas."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert dp.hand_router.poll() is None, f"the router exited:\n{dp.hand_router_log.read_text()[-4000:]}"
+        try:
+            ready = requests.get(dp.hand_router_url + "/readiness", timeout=2)
+            if ready.status_code == 200 and ready.json().get("healthy_workers") == 2:
+                return dp.hand_router_url
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"router not ready:\n{dp.hand_router_log.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+def generate_both_ways(base_url: str, dp: DataParallelServer, expected: dict) -> None:
+    """Two requests (round robin: one per replica) answered with one server's tokens and logprobs."""
     rids = [f"routed-{uuid.uuid4().hex}" for _ in range(2)]
-    for rid in rids:  # round robin: one to each worker
-        r = requests.post(router + "/generate", json={**body, "rid": rid}, timeout=120)
+    for rid in rids:
+        body = {"text": PROMPT, "sampling_params": GREEDY, "return_logprob": True, "rid": rid}
+        r = requests.post(base_url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.json()["output_ids"] == direct["output_ids"] and r.json()["meta_info"]["id"] == rid
-    logs = [Path(w.log_path).read_text(errors="replace") for w in workers]
-    assert sorted(sum(f"Finish: rid={rid}" in log for rid in rids) for log in logs) == [1, 1]
+        out = r.json()
+        assert out["output_ids"] == expected["output_ids"] and out["meta_info"]["id"] == rid
+        assert out["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
+    assert sorted(rank for rid in rids for rank in dp.served_by(rid)) == [0, 1]
 
 
-def test_streaming_generate_through_the_router(router):
-    body = {"text": "import os\n", "sampling_params": GREEDY, "stream": True, "return_logprob": True}
-    r = requests.post(router + "/generate", json=body, stream=True, timeout=120)
+def stream_both_ways(base_url: str, expected: dict) -> None:
+    body = {"text": PROMPT, "sampling_params": GREEDY, "stream": True, "return_logprob": True}
+    r = requests.post(base_url + "/generate", json=body, stream=True, timeout=120)
     assert r.status_code == 200
     lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    meta = json.loads(lines[-2][6:])["meta_info"]
-    assert meta["completion_tokens"] == 6 and meta["finish_reason"]["type"] == "length"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["output_ids"] == expected["output_ids"]  # the text so far; logprobs: the new ones
+    logprobs = [lp for e in events for lp in e["meta_info"]["output_token_logprobs"]]
+    assert logprobs == expected["meta_info"]["output_token_logprobs"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_openai_endpoints_through_the_router(router):
-    completion = {"model": MODEL, "prompt": "def f(", "max_tokens": 3}
-    r = requests.post(router + "/v1/completions", json=completion, timeout=120)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    r = requests.post(router + "/v1/chat/completions", json=chat, timeout=120)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+def openai_both_ways(base_url: str, dp: DataParallelServer) -> None:
+    completion = {"model": MODEL, "prompt": "def f(", "max_tokens": 3, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        direct = requests.post(dp.replica_urls[1] + path, json=body, timeout=120).json()
+        r = requests.post(base_url + path, json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert r.json()["choices"] and r.json()["choices"][0].keys() == direct["choices"][0].keys()
+        text = "text" if path == "/v1/completions" else "message"
+        assert r.json()["choices"][0][text] == direct["choices"][0][text]
+
+
+# ---------------------------------------------------------------------- launch_server --dp-size 2
+
+
+def test_dp_server_info_lists_each_replica(dp):
+    info = requests.get(dp.url + "/server_info", timeout=30).json()
+    assert (info["dp_size"], info["port"], info["model_path"]) == (2, int(dp.url.rsplit(":", 1)[1]), MODEL)
+    assert [(r["dp_rank"], r["state"], r["exit"]) for r in info["replicas"]] == [(0, "serving", None),
+                                                                                 (1, "serving", None)]
+    assert len(info["internal_states"]) == 2 and info["router"]["state"] == "running"
+    assert info["router"]["policy"] == "round_robin"
+    assert requests.get(dp.url + "/get_server_info", timeout=30).json()["dp_size"] == 2
+
+
+def test_dp_generate_is_answered_by_both_replicas_with_one_servers_tokens(dp, expected):
+    generate_both_ways(dp.url, dp, expected)
+
+
+def test_dp_streamed_generate_with_logprobs(dp, expected):
+    stream_both_ways(dp.url, expected)
+
+
+def test_dp_openai_endpoints(dp):
+    openai_both_ways(dp.url, dp)
+
+
+# ---------------------------------------------------------------------- the router run by hand
+
+
+def test_both_replicas_register_with_the_router_run_by_hand(router, dp):
+    listed = requests.get(router + "/workers", timeout=30).json()["workers"]
+    assert sorted(w["url"] for w in listed) == sorted(dp.replica_urls)
+
+
+def test_generate_through_the_router_run_by_hand(router, dp, expected):
+    generate_both_ways(router, dp, expected)
+    stream_both_ways(router, expected)
+
+
+def test_openai_endpoints_through_the_router_run_by_hand(router, dp):
+    openai_both_ways(router, dp)
 
 
 def test_the_routers_calls_on_workers_answer(router):
@@ -118,3 +230,46 @@ def test_the_routers_calls_on_workers_answer(router):
     assert requests.get(router + "/get_model_info", timeout=30).json()["model_path"] == MODEL
     metrics = requests.get(router + "/engine_metrics", timeout=30)
     assert metrics.status_code == 200 and "num_requests_total" in metrics.text
+
+
+# ---------------------------------------------------------------------- a replica killed, then shutdown
+
+
+def test_a_killed_replicas_stream_ends_with_an_error_and_new_requests_go_to_the_other(dp, expected):
+    rid = f"victim-{uuid.uuid4().hex}"
+    body = {"text": PROMPT, "stream": True, "rid": rid,
+            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(dp.url + "/generate", json=body, stream=True, timeout=120)
+    events = (line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: "))
+    assert "error" not in json.loads(next(events)[6:])  # its first token: the request is in flight
+    deadline = time.monotonic() + 10
+    while not dp.served_by(rid, "Receive"):
+        assert time.monotonic() < deadline, "no replica logged the request"
+        time.sleep(0.1)
+    [victim] = dp.served_by(rid, "Receive")
+    os.killpg(dp.replica_pids[victim], signal.SIGKILL)
+    rest = list(events)
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == 502
+    assert f"dp{victim} ({dp.replica_urls[victim]}) killed by SIGKILL" in error["message"], error
+    rids = [f"after-{uuid.uuid4().hex}" for _ in range(3)]
+    for new_rid in rids:
+        body = {"text": PROMPT, "sampling_params": GREEDY, "rid": new_rid}
+        out = requests.post(dp.url + "/generate", json=body, timeout=120)
+        assert out.status_code == 200 and out.json()["output_ids"] == expected["output_ids"], out.text
+        assert dp.served_by(new_rid) == [1 - victim]
+    info = requests.get(dp.url + "/server_info", timeout=30).json()
+    states = {r["dp_rank"]: (r["state"], r["exit"]) for r in info["replicas"]}
+    assert states == {victim: ("exited", "killed by SIGKILL"), 1 - victim: ("serving", None)}
+    assert dp.proc.poll() is None
+
+
+def test_stopping_launch_server_stops_every_child(dp):
+    children = psutil.Process(dp.proc.pid).children(recursive=True)
+    # the router, the surviving replica and its scheduler (at least)
+    assert len(children) >= 3, children
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(60) == 0
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == []

@@ -1,7 +1,10 @@
 """`python -m sglang_vericache.launch_server [flags]`: check the model folder and the port, then serve.
 
-A missing model folder, one without config.json, or a port already taken is a one-line error on
-stderr and exit code 2, before any process is spawned or any heavy module is imported.
+A missing model folder, one without config.json, a port already taken, or --dp-size > 1 without
+sglang-router installed is a one-line error on stderr and exit code 2, before any process is
+spawned or any heavy module is imported. --dp-size N > 1 runs N replicas behind sglang-router
+(dp/controller.py); a replica or the router that fails to start ends it with exit code 1 and the
+child's last output.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ import os
 import socket
 import sys
 
-from sglang_vericache.server_args import ServerArgs, prepare_server_args
+from sglang_vericache.dp.router_flags import (
+    ROUTER_INSTALL_HINT,
+    refused_router_flag,
+    router_flags_given,
+    router_installed,
+)
+from sglang_vericache.server_args import ServerArgs, parse_launch_args
 
 
 def model_folder_error(server_args: ServerArgs) -> str | None:
@@ -42,17 +51,41 @@ def port_error(host: str, port: int) -> str | None:
     return None
 
 
+def data_parallel_error(server_args: ServerArgs, cli, router_flags: list[str]) -> str | None:
+    if server_args.dp_size == 1:
+        if router_flags:
+            return (f"{router_flags[0]}: the router runs only with --dp-size > 1 (in front of one server, "
+                    "run python -m sglang_router.launch_router --worker-urls yourself)")
+        return None
+    if not router_installed():
+        return (f"--dp-size {server_args.dp_size} runs its replicas behind sglang-router, which is not "
+                f"installed: {ROUTER_INSTALL_HINT}")
+    return refused_router_flag(cli)
+
+
 def main(argv: list[str] | None = None) -> None:
-    server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    router_flags = router_flags_given(argv)
+    if router_flags and not router_installed():
+        print(f"error: {router_flags[0]} is a flag of sglang-router, which is not installed: "
+              f"{ROUTER_INSTALL_HINT}", file=sys.stderr)
+        sys.exit(2)
+    server_args, cli = parse_launch_args(argv)
     error = model_folder_error(server_args)
     if error is None and server_args.disagg_role != "verifier":
         error = port_error(server_args.host, server_args.port)
+    if error is None:
+        error = data_parallel_error(server_args, cli, router_flags)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(
         level=server_args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
+    if server_args.dp_size > 1:  # the replicas log their own flag warnings
+        from sglang_vericache.dp.controller import run_data_parallel
+
+        sys.exit(run_data_parallel(server_args, argv, cli))
     server_args.log_flag_warnings()
     if server_args.disagg_role == "verifier":  # dual-instance mode: no HTTP, the verifier loop (disagg/)
         from sglang_vericache.disagg.verifier import run_verifier

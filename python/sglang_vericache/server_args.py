@@ -113,7 +113,7 @@ class ServerArgs(ServerArgsChecks):
 
     # SGLang launch flags, with the meaning they have here.
     tp_size: int = 1  # one device per server: only 1
-    dp_size: int = 1  # only 1; run several servers behind a router instead
+    dp_size: int = 1  # > 1: that many replicas behind sglang-router (dp/controller.py)
     mem_fraction_static: float | None = None  # device memory for weights + KV pool (SGLang's meaning)
     trust_remote_code: bool = False  # for configs and tokenizers that ship their own code
     quantization: str | None = None  # weight quantization: none supported
@@ -205,14 +205,24 @@ class ServerArgs(ServerArgsChecks):
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    return parse_launch_args(argv)[0]
+
+
+def parse_launch_args(argv: list[str] | None = None) -> tuple[ServerArgs, argparse.Namespace]:
+    """ServerArgs and the whole parsed command line (which also holds sglang-router's
+    `--router-*` flags, when the router is installed: dp/router_flags.py)."""
+    from sglang_vericache.dp.router_flags import add_router_cli_args
+
     parser = argparse.ArgumentParser(
         prog="python -m sglang_vericache.launch_server",
+        usage="%(prog)s [flags] (--help lists every flag)",
         description="Serve a model with SGLang's HTTP API and OpenAI-compatible endpoints.",
     )
     ServerArgs.add_cli_args(parser)
+    add_router_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        return ServerArgs.from_cli_args(args)
+        return ServerArgs.from_cli_args(args), args
     except ValueError as e:
         parser.error(str(e))
         raise

@@ -177,11 +177,14 @@ class ServerArgsChecks:
                              f"(line {e.lineno})") from None
 
     def validate_sglang_flags(self) -> None:
-        for flag, value, why in (("--tp-size", self.tp_size, "tensor parallelism is not supported"),
-                                 ("--dp-size", self.dp_size, "run one server per replica instead")):
-            if value != 1:
-                raise ValueError(f"{flag} must be 1: this runtime serves a model on one device ({why}), "
-                                 f"got {value}")
+        if self.tp_size != 1:
+            raise ValueError("--tp-size must be 1: this runtime serves a model on one device (tensor "
+                             f"parallelism is not supported), got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.disagg_role == "verifier":
+            raise ValueError("--dp-size with --disagg-role verifier: a verifier serves no HTTP for a router; "
+                             "start one verifier process per drafter instead")
         if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -171,7 +171,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d["tp_size"].default,
         help="Tensor parallel size. Only 1: this runtime serves a model on one device.")
     add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d["dp_size"].default,
-        help="Data parallel size. Only 1: run one server per replica.")
+        help="Data parallel size: N > 1 starts N replicas of this server (each a full server on its own "
+             "loopback port, with the other flags given here; with --tp-size M, N x M ranks) behind "
+             "sglang-router (pip install sglang-router), which launch_server starts and which clients reach "
+             "through --host:--port; /server_info lists every replica's state. The router's own flags are "
+             "accepted with a --router- prefix (--router-policy round_robin, --router-disable-retries, ...), "
+             "as by SGLang's sglang_router.launch_server.")
     add("--mem-fraction-static", type=float, default=None,
         help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
              "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "

@@ -1,0 +1,110 @@
+"""The HTTP front of launch_server --dp-size on --host:--port.
+
+sglang-router answers /get_server_info itself (its own counts) and /server_info not at all, so the
+front serves both (every replica's state, controller.server_info) and passes every other request
+to the router on its loopback port as it came: method, path, query, headers, body; the router's
+answer comes back with its status and headers, event streams chunk by chunk.
+
+When a stream breaks off (the replica serving it died: the router can retry a request only before
+its first byte), the front ends it as our server ends a failed stream, with an error event naming
+the replicas that stopped, then `data: [DONE]`. --api-key is checked here (the router presents the
+key to the replicas), on the same paths as one server checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/liveness", "/readiness")
+# Hop-by-hop headers and the ones aiohttp sets for the body it sends.
+_NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length"}
+DEATH_SETTLE_S = 0.5  # a stream broke: let the controller see the replica's exit before naming it
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def _sse_error(message: str, status: int) -> bytes:
+    return b"data: " + json.dumps({"error": {"message": message, "code": status}}).encode() + b"\n\n"
+
+
+def _forwarded(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+
+
+def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str, Any]]],
+                   stopped_replicas: Callable[[], list[str]], api_key: str | None) -> web.Application:
+    """server_info(): the /server_info body; stopped_replicas(): one line per replica that exited."""
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if api_key and request.method != "OPTIONS" and not request.path.startswith(OPEN_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def on_startup(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False)
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app["session"].close()
+
+    async def get_server_info(request: web.Request) -> web.Response:
+        return web.json_response(await server_info())
+
+    async def broken_stream_message(cause: Exception) -> str:
+        await asyncio.sleep(DEATH_SETTLE_S)
+        stopped = stopped_replicas()
+        who = "; ".join(stopped) if stopped else "no replica has exited"
+        return (f"the response stream broke off before it finished ({type(cause).__name__}: {cause}); "
+                f"stopped replicas: {who}. New requests go to the replicas still serving.")
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        url = router_url + request.rel_url.raw_path_qs
+        session: aiohttp.ClientSession = request.app["session"]
+        try:
+            upstream = await session.request(request.method, url, headers=_forwarded(request.headers),
+                                             data=body or None, allow_redirects=False)
+        except aiohttp.ClientError as e:
+            return _error(f"the router at {router_url} did not answer: {type(e).__name__}: {e}", 502)
+        async with upstream:
+            headers = _forwarded(upstream.headers)
+            if "text/event-stream" not in upstream.headers.get("Content-Type", ""):
+                try:
+                    data = await upstream.read()
+                except aiohttp.ClientError as e:
+                    return _error(await broken_stream_message(e), 502)
+                return web.Response(status=upstream.status, body=data, headers=headers)
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except aiohttp.ClientError as e:
+                message = await broken_stream_message(e)
+                logger.warning("%s %s: %s", request.method, request.path, message)
+                await response.write(_sse_error(message, 502) + b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+    app = web.Application(middlewares=[check_api_key], client_max_size=1024**3)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_get("/server_info", get_server_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    return app
