@@ -1,4 +1,5 @@
-"""SGLang launch flags with their meaning here: --tp-size / --dp-size (1 only), --mem-fraction-static,
+"""SGLang launch flags with their meaning here: --tp-size (1 only), --dp-size (>= 1; replicas behind
+sglang-router: test_sglang_router.py, test_dp_flags.py), --mem-fraction-static,
 --trust-remote-code, --quantization (refused), --schedule-policy lpm, --log-requests,
 --enable-cache-report; --reasoning-parser is in test_reasoning_parser.py."""
 
@@ -56,7 +57,9 @@ def test_sglang_command_line_parses():
             {"tp_size": 2},
             r"--tp-size must be 1: this runtime serves a model on one device \(tensor parallelism",
         ),
-        ({"dp_size": 4}, "--dp-size must be 1"),
+        ({"dp_size": 0}, "--dp-size must be >= 1, got 0"),
+        ({"dp_size": 2, "disagg_role": "verifier", "disagg_port": 31000},
+         "--dp-size with --disagg-role verifier: a verifier serves no HTTP"),
         ({"mem_fraction_static": 0.0}, r"--mem-fraction-static must be in \(0, 1\), got 0.0"),
         ({"mem_fraction_static": 1.2}, r"--mem-fraction-static must be in \(0, 1\), got 1.2"),
         ({"quantization": "fp8"}, "--quantization fp8: quantized weights are not supported"),

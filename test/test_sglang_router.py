@@ -230,6 +230,8 @@ def test_the_routers_calls_on_workers_answer(router):
     assert requests.get(router + "/get_model_info", timeout=30).json()["model_path"] == MODEL
     metrics = requests.get(router + "/engine_metrics", timeout=30)
     assert metrics.status_code == 200 and "num_requests_total" in metrics.text
+    assert requests.get(router + "/health_generate", timeout=60).status_code == 200
+    assert [m["id"] for m in requests.get(router + "/v1/models", timeout=30).json()["data"]] == [MODEL]
 
 
 # ---------------------------------------------------------------------- a replica killed, then shutdown
