@@ -69,14 +69,16 @@ def test_dp_size_with_a_taken_port_is_refused(capsys):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code, err = run_main(["--model-path", MODEL, "--dp-size", "2", "--host", "127.0.0.1", "--port", str(port)],
-                             capsys)
-    assert (code, err) == (2, f"error: cannot serve on 127.0.0.1:{port}: Address already in use (pick another --port)")
+        argv = ["--model-path", MODEL, "--dp-size", "2", "--host", "127.0.0.1", "--port", str(port)]
+        code, err = run_main(argv, capsys)
+    assert (code, err) == (2, f"error: cannot serve on 127.0.0.1:{port}: Address already in use "
+                              "(pick another --port)")
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--router-policy", "random"], "error: --router-policy: the router runs only with --dp-size > 1 (in front "
-                                    "of one server, run python -m sglang_router.launch_router --worker-urls yourself)"),
+    (["--router-policy", "random"],
+     "error: --router-policy: the router runs only with --dp-size > 1 (in front of one server, run "
+     "python -m sglang_router.launch_router --worker-urls yourself)"),
     (["--dp-size", "2", "--worker-urls", "http://h:1"],
      "error: --worker-urls: not with launch_server --dp-size (the router's workers are launch_server's "
      "replicas; run the router by hand for others)"),
@@ -113,7 +115,9 @@ def test_a_replica_that_fails_to_start_ends_launch_server_with_its_error(monkeyp
     # Stand-ins for the replicas: dp0 fails as launch_server does (an `error:` line, exit 1), dp1 waits.
     script = ("import os, sys, time\n"
               "if os.environ['SGLANG_DP_RANK'] == '0':\n"
-              "    print('loading weights'); print('error: no *.safetensors weights in model folder'); sys.exit(1)\n"
+              "    print('loading weights')\n"
+              "    print('error: no *.safetensors weights in model folder')\n"
+              "    sys.exit(1)\n"
               "time.sleep(120)\n")
     monkeypatch.setattr(controller_mod, "replica_args", lambda argv, port: [sys.executable, "-c", script])
     server_args, cli = parse_launch_args(["--model-path", MODEL, "--dp-size", "2"])

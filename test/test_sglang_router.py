@@ -83,9 +83,9 @@ def dp(tmp_path_factory):
     logs = tmp_path_factory.mktemp("dp")
     port = free_port()
     log_path = logs / "launch_server.log"
-    args = [sys.executable, "-m", "sglang_vericache.launch_server", "--model-path", MODEL, "--port", str(port),
-            "--dp-size", "2", "--log-requests", "--log-level", "info", "--router-policy", "round_robin",
-            "--router-prometheus-port", str(free_port())]
+    args = [sys.executable, "-m", "sglang_vericache.launch_server", "--model-path", MODEL,
+            "--port", str(port), "--dp-size", "2", "--log-requests", "--log-level", "info",
+            "--router-policy", "round_robin", "--router-prometheus-port", str(free_port())]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -114,9 +114,10 @@ def dp(tmp_path_factory):
         yield DataParallelServer(proc, url, log_path, replica_urls, [r["pid"] for r in info["replicas"]],
                                  hand, f"http://127.0.0.1:{hand_port}", hand_log)
     finally:
-        for p in (hand, proc):
-            if p is not None:
-                stop(p)
+        if hand is not None:  # the router alone, no children: no need for its graceful shutdown
+            hand.kill()
+            hand.wait(15)
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,8 @@ def stream_both_ways(base_url: str, expected: dict) -> None:
 
 def openai_both_ways(base_url: str, dp: DataParallelServer) -> None:
     completion = {"model": MODEL, "prompt": "def f(", "max_tokens": 3, "temperature": 0}
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0}
     for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         direct = requests.post(dp.replica_urls[1] + path, json=body, timeout=120).json()
         r = requests.post(base_url + path, json=body, timeout=120)
@@ -267,11 +269,18 @@ def test_a_killed_replicas_stream_ends_with_an_error_and_new_requests_go_to_the_
     assert dp.proc.poll() is None
 
 
-def test_stopping_launch_server_stops_every_child(dp):
+def test_stopping_launch_server_stops_every_child_with_a_stream_open(dp):
     children = psutil.Process(dp.proc.pid).children(recursive=True)
     # the router, the surviving replica and its scheduler (at least)
     assert len(children) >= 3, children
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(dp.url + "/generate", json=body, stream=True, timeout=120)
+    lines = r.iter_lines(decode_unicode=True)
+    assert next(line for line in lines if line.startswith("data: "))  # in flight
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(60) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
     assert alive == []
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        list(lines)  # the open stream was cut

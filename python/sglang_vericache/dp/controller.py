@@ -14,8 +14,8 @@ Lifecycle:
 - serve: a replica that exits is logged with its last output and removed from the router (its
   streams in flight end with an error event, see front.py), and the others keep serving; the last
   replica or the router exiting ends launch_server (exit 1);
-- stop: SIGTERM / SIGINT stops the front, then SIGTERM to every child's process group, SIGKILL to
-  what is left after STOP_GRACE_S. Children also die with launch_server (PR_SET_PDEATHSIG).
+- stop: SIGTERM / SIGINT closes the front (requests still open get FRONT_SHUTDOWN_S), then SIGTERM
+  to every child's process group, SIGKILL to what is left after STOP_GRACE_S. Children also die with launch_server (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ LOOPBACK = "127.0.0.1"
 ROUTER_READY_TIMEOUT_S = 120.0
 SUPERVISE_INTERVAL_S = 0.5
 INFO_TIMEOUT_S = 5.0
+FRONT_SHUTDOWN_S = 3.0  # on SIGTERM, requests still open at the front get this long before it closes
 
 
 class StartError(RuntimeError):
@@ -87,7 +88,8 @@ class DataParallelController:
             port = int(url.rsplit(":", 1)[1])
             env = replica_env(rank, self.server_args.device, tp)
             self.replicas.append(ChildProcess.start(f"dp{rank}", replica_args(self.argv, port), env=env))
-        logger.info("data parallel: %d replicas starting on %s", len(self.replicas), ", ".join(self.replica_urls))
+        logger.info("data parallel: %d replicas starting on %s", len(self.replicas),
+                    ", ".join(self.replica_urls))
         deadline = time.monotonic() + self.router_args.worker_startup_timeout_secs
         pending = set(range(len(self.replicas)))
         while pending:
@@ -123,7 +125,8 @@ class DataParallelController:
                 pass
             if time.monotonic() > deadline:
                 raise StartError(f"sglang-router did not report {len(self.replicas)} healthy workers after "
-                                 f"{ROUTER_READY_TIMEOUT_S:.0f} s; its last output:\n{self.router.log_tail()}")
+                                 f"{ROUTER_READY_TIMEOUT_S:.0f} s; its last output:\n"
+                                 f"{self.router.log_tail()}")
             time.sleep(SUPERVISE_INTERVAL_S)
 
     def _healthy(self, url: str) -> bool:
@@ -218,16 +221,21 @@ class DataParallelController:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        app = make_front_app(self.router_url, self.server_info, self.stopped_replicas, self.server_args.api_key)
-        runner = web.AppRunner(app, access_log=None)
+        app = make_front_app(self.router_url, self.server_info, self.stopped_replicas,
+                             self.server_args.api_key)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=FRONT_SHUTDOWN_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.server_args.host, self.server_args.port).start()
-            logger.info("The server is fired up and ready to roll! http://%s:%d (%d replicas behind sglang-router)",
+            logger.info("The server is fired up and ready to roll! http://%s:%d "
+                        "(%d replicas behind sglang-router)",
                         self.server_args.host, self.server_args.port, len(self.replicas))
             reason = await self.supervise(stop)
         finally:
-            await runner.cleanup()
+            try:  # aiohttp's graceful close can wait on a request in flight well past shutdown_timeout
+                await asyncio.wait_for(runner.cleanup(), FRONT_SHUTDOWN_S + 1)
+            except asyncio.TimeoutError:
+                logger.warning("the front closed with requests still open")
         if reason:
             logger.error("launch_server stops: %s", reason)
             return 1

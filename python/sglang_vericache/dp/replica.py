@@ -137,5 +137,6 @@ def replica_env(dp_rank: int, device: str, gpus_per_replica: int) -> dict[str, s
     if device.startswith("cuda"):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range((dp_rank + 1) * gpus_per_replica)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[dp_rank * gpus_per_replica:(dp_rank + 1) * gpus_per_replica])
+        first = dp_rank * gpus_per_replica
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first:first + gpus_per_replica])
     return env
