@@ -66,6 +66,11 @@ class ServerArgs(ServerArgsChecks):
     kv_compression_ratio: float = DEFAULT_KV_COMPRESSION_RATIO  # token-dropping compressors only
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
+    # N-gram proposals checked by the drafter (speculative/ngram.py), SGLang's NGRAM option names.
+    speculative_ngram: bool = False
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_branch_length: int = 8
     device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
     host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
     vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (staggered iff a link bandwidth is set)
@@ -186,6 +191,15 @@ class ServerArgs(ServerArgsChecks):
     @property
     def max_draft_tokens(self) -> int:
         return 32 if self.speculative_num_draft_tokens == "auto" else int(self.speculative_num_draft_tokens)
+
+    def ngram_config(self):
+        """The n-gram proposal settings (None without --speculative-ngram)."""
+        if not self.speculative_ngram:
+            return None
+        from sglang_vericache.speculative.ngram import NgramConfig
+
+        return NgramConfig(self.speculative_ngram_min_match_window_size,
+                           self.speculative_ngram_max_match_window_size, self.speculative_ngram_branch_length)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

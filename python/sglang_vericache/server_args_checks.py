@@ -107,6 +107,12 @@ class ServerArgsChecks:
             self.speculative_algorithm = "VERICACHE"
             if not self.kv_compressor:
                 raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
+        if self.speculative_ngram:
+            if self.kv_mode != "vericache":
+                raise ValueError("--speculative-ngram checks n-gram proposals with the compressed-KV "
+                                 "drafter: it needs --speculative-algorithm VERICACHE and a --kv-compressor "
+                                 "(a verifier never drafts: pass it to the drafter)")
+            self.ngram_config()  # ValueError names a bad window or branch length
         if self.vericache_schedule not in ("adaptive", "auto", "lockstep", "staggered"):
             raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
                              f"{self.vericache_schedule!r}")

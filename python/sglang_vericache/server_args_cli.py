@@ -73,6 +73,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV.")
     add("--speculative-num-draft-tokens", type=str, default=d["speculative_num_draft_tokens"].default,
         help="Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance.")
+    add("--speculative-ngram", action="store_true",
+        help="VeriCache: look each request's newest tokens up in its own prompt and output (an n-gram index) "
+             "and let the compressed-KV drafter check the continuation found there, several tokens in one "
+             "draft forward; it keeps the tokens it would have drafted one at a time anyway, so the drafts, "
+             "the verification and the output are unchanged, with fewer draft forwards. Any checkpoint.")
+    add("--speculative-ngram-min-match-window-size", type=int,
+        default=d["speculative_ngram_min_match_window_size"].default,
+        help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose (1-64).")
+    add("--speculative-ngram-max-match-window-size", type=int,
+        default=d["speculative_ngram_max_match_window_size"].default,
+        help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
+             "(1-64).")
+    add("--speculative-ngram-branch-length", type=int, default=d["speculative_ngram_branch_length"].default,
+        help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; also "
+             "at most the round's drafts left less one). One chain per request (SGLang's BFS breadth 1).")
     add("--device-kv-budget", type=str, default=None,
         help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
              "keep the compressed tier, exact tails and verification staging here.")

@@ -186,7 +186,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
             draft_pool = make_draft_pool(max_draft, self.req_to_token_pool.size, runner.model_config,
                                          runner.token_to_kv_pool, runner.device)
         return VeriCacheRound(policy, self.sampler, self.vocab_size, self.eos_token_ids, self.memory, self.output,
-                              self.metrics, self.forward, self.two_tier, self.link, draft_pool)
+                              self.metrics, self.forward, self.two_tier, self.link, draft_pool,
+                              args.ngram_config() if self.mode == "vericache" else None)
 
     @property
     def outbox(self) -> list[ReqOutput]:

@@ -27,6 +27,9 @@ class SchedulerMetrics:
     spec_rounds_total: int = 0
     spec_drafted_total: int = 0
     spec_accepted_total: int = 0
+    spec_draft_forwards_total: int = 0  # forwards with draft rows (DRAFT_DECODE or MIXED)
+    spec_ngram_proposed_total: int = 0  # n-gram proposal tokens checked by the drafter
+    spec_ngram_accepted_total: int = 0  # of them, the drafter's own samples (taken as drafts)
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
     # Benchmarks set a list here to record (drafted, accepted) of every VeriCache round.
     round_trace: list | None = None
@@ -107,4 +110,7 @@ class SchedulerMetrics:
             "spec_drafted_tokens_total": self.spec_drafted_total,
             "spec_accepted_tokens_total": self.spec_accepted_total,
             "spec_accept_length": (self.spec_accepted_total + self.spec_rounds_total) / rounds,
+            "spec_draft_forwards_total": self.spec_draft_forwards_total,
+            "spec_ngram_proposed_tokens_total": self.spec_ngram_proposed_total,
+            "spec_ngram_accepted_tokens_total": self.spec_ngram_accepted_total,
         }

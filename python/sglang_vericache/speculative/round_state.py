@@ -8,6 +8,10 @@ visible counters (spec_rounds, spec_accept_length, ...) stay in Req.meta, which 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.speculative.ngram import NgramIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,10 @@ class VeriCacheState:
     # and whether this "round" is a planned decode step (x = 0: committed, not counted as a round).
     decode_only: bool = False
     decode_step: bool = False
+    # --speculative-ngram (speculative/ngram.py): the n-gram index of the committed tokens (built at
+    # the first lookup, caught up before each); kept across rounds and retractions (committed tokens
+    # only grow).
+    ngram: NgramIndex | None = None
 
     def start(self, draft_target: int) -> None:
         self.drafts, self.draft_masks, self.draft_target = [], [], draft_target

@@ -5,6 +5,10 @@ A request's round, committed tokens t_1..t_n, exact KV for positions [0, n-1):
   draft   x DRAFT_DECODE rows: feed t_n, d_1, ... at positions n-1, n, ...; attention reads the
           compressed chunks + the exact tail + this round's draft KV (a scratch pool, one row of
           X+1 slots per request row); each draft is sampled under its grammar's mask.
+          --speculative-ngram: a draft forward of a request may also hold k n-gram proposals q_1..q_k
+          (speculative/ngram.py) as a causal chain of rows after its last token; row i is sampled
+          exactly as the i-th next draft step would be, and the drafts gain the samples up to the
+          first that differs from its proposal (that one included): up to k+1 drafts in one forward.
   verify  one row group [t_n, d_1..d_x] over the exact KV of [0, n-1), whose own exact KV goes to
           fresh exact slots of positions n-1..n-1+x; the targets p_0..p_x are sampled as full mode
           samples those positions (same seed, position, penalties, and the drafts' masks).
@@ -44,6 +48,7 @@ from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
 from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
+from sglang_vericache.speculative.ngram import NgramConfig, NgramIndex
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.sampler import Sampler
@@ -88,6 +93,12 @@ class RoundBatch:
     drafting: list[Req]
     verifiers: list[Req]  # resident then staged, in row order
     captured: dict | None  # the verify rows' queries (query-scored compressors)
+    proposals: list[list[int]] | None = None  # per drafting request, the n-gram proposals in its rows
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Drafting request i has 1 + len(proposals[i]) rows (its last token, then its proposals)."""
+        return len(self.drafting) + sum(map(len, self.proposals or ()))
 
     @property
     def tag(self) -> str:
@@ -110,7 +121,8 @@ class VeriCacheRound:
     def __init__(self, policy: DraftLengthPolicy, sampler: Sampler, vocab_size: int, eos_token_ids: set[int],
                  memory: RequestMemory, output: OutputSink, metrics: SchedulerMetrics,
                  forward: Callable[[ForwardBatch, str], torch.Tensor], two_tier: TwoTierKV | None = None,
-                 link: Link | None = None, draft_pool: MHATokenToKVPool | None = None):
+                 link: Link | None = None, draft_pool: MHATokenToKVPool | None = None,
+                 ngram: NgramConfig | None = None):
         self.policy = policy
         self.max_draft = policy.max_len
         self.sampler = sampler
@@ -124,6 +136,7 @@ class VeriCacheRound:
         self.link = link
         self.draft_pool = draft_pool
         self.stride = self.max_draft + 1
+        self.ngram = ngram  # None: one row per drafting request and forward
 
     # ------------------------------------------------------------------ plan
 
@@ -173,10 +186,11 @@ class VeriCacheRound:
     def build(self, drafting: Sequence[Req], resident: Sequence[Req], staged: Sequence[Req]) -> RoundBatch:
         drafting, verifiers = list(drafting), list(resident) + list(staged)
         items, input_ids, positions, prefix, out_loc = [], [], [], [], []
-        draft_slots = None
+        draft_slots = proposals = None
         if drafting:
-            d_ids, d_pos, d_loc, draft_slots = self.draft_inputs(drafting)
-            items += [(r, 1) for r in drafting]
+            proposals = [self.proposals(r) for r in drafting]
+            d_rows, d_ids, d_pos, d_loc, draft_slots = self.draft_inputs(drafting, proposals)
+            items += [(r, 1) for r in d_rows]
             input_ids += d_ids
             positions += d_pos
             prefix += d_pos  # a draft row's logical prefix is its position
@@ -195,7 +209,8 @@ class VeriCacheRound:
         out = torch.cat([loc.to(out_loc[-1].device) for loc in out_loc])  # draft slots: host
         fb = make_forward_batch(mode, items, input_ids, positions, out, prefix_lens=prefix)
         if drafting:
-            fb.draft_ctx = self.two_tier.draft_context(drafting, self.draft_pool, draft_slots)
+            fb.draft_ctx = self.two_tier.draft_context(d_rows, self.draft_pool, draft_slots)
+            self.metrics.spec_draft_forwards_total += 1
         if verifiers:
             fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
         if mode == ForwardMode.MIXED and resident:
@@ -204,13 +219,13 @@ class VeriCacheRound:
             fb.staged = self.link.staged(list(staged))
         needs_q = verifiers and self.two_tier is not None and self.two_tier.needs_queries
         fb.captured_q = {} if needs_q else None
-        return RoundBatch(fb, drafting, verifiers, fb.captured_q)
+        return RoundBatch(fb, drafting, verifiers, fb.captured_q, proposals)
 
     def apply(self, batch: RoundBatch, logits: torch.Tensor, draft_s: float = 0.0,
               verify_s: float = 0.0) -> list[Verdict]:
-        nd = len(batch.drafting)
+        nd = batch.num_draft_rows
         if batch.drafting:
-            self.sample_drafts(batch.drafting, logits[:nd])
+            self.sample_drafts(batch.drafting, logits[:nd], batch.proposals)
         if not batch.verifiers:
             return []
         verdicts = self.accept(batch.verifiers, self.sample_targets(batch.verifiers, logits[nd:]))
@@ -219,35 +234,79 @@ class VeriCacheRound:
 
     # ------------------------------------------------------------------ draft
 
-    def draft_inputs(self, group: list[Req]):
-        """(input ids, positions, out slots in the draft pool, draft slots per request)."""
-        input_ids = [r.spec.drafts[-1] if r.spec.drafts else r.output_ids[-1] for r in group]
-        positions = [r.seqlen - 1 + len(r.spec.drafts) for r in group]
-        draft_slots = [self.draft_slots(r, len(r.spec.drafts) + 1) for r in group]
+    def draft_inputs(self, group: list[Req], proposals: list[list[int]] | None = None):
+        """(the request of each row, input ids, positions, out slots in the draft pool, draft slots
+        per row). A request's rows: its last token (t_n or its newest draft), then its proposals,
+        each one position and one draft slot further on; every row's K/V is written before any row
+        attends, so row i sees rows 0..i-1 of its request (a causal chain)."""
+        rows, input_ids, positions, draft_slots = [], [], [], []
+        for r, props in zip(group, proposals or [[]] * len(group)):
+            d = r.spec.drafts
+            for i, tok in enumerate([d[-1] if d else r.output_ids[-1]] + props):
+                rows.append(r)
+                input_ids.append(tok)
+                positions.append(r.seqlen - 1 + len(d) + i)
+                draft_slots.append(self.draft_slots(r, len(d) + 1 + i))
         out_loc = torch.stack([ds[-1] for ds in draft_slots])
-        return input_ids, positions, out_loc, draft_slots
+        return rows, input_ids, positions, out_loc, draft_slots
+
+    def proposals(self, req: Req) -> list[int]:
+        """The n-gram proposals checked in req's next draft forward: [] without --speculative-ngram,
+        for a constrained request (its rows' masks would need the matcher advanced along the chain),
+        or when the round has fewer than two drafts left (one needs no chain). At most drafts left
+        less one, so the drafts never pass the round's target (nor the X+1 draft slots)."""
+        if self.ngram is None or req.grammar is not None:
+            return []
+        st = req.spec
+        k = min(self.ngram.branch_length, st.draft_target - len(st.drafts) - 1)
+        if k < 1:
+            return []
+        if st.ngram is None:
+            st.ngram = NgramIndex(self.ngram.min_window, self.ngram.max_window)
+        st.ngram.sync(req.origin_input_ids, req.output_ids)
+        return st.ngram.propose(st.drafts, k)
 
     def draft_slots(self, req: Req, n: int) -> torch.Tensor:
         base = 1 + req.req_pool_idx * self.stride
         return torch.arange(base, base + n, dtype=torch.int64)
 
-    def sample_drafts(self, group: list[Req], logits: torch.Tensor) -> None:
+    def sample_drafts(self, group: list[Req], logits: torch.Tensor,
+                      proposals: list[list[int]] | None = None) -> None:
+        """Row i of a request (input: its proposal q_i; row 0: its last token) is sampled as its
+        next draft step after q_1..q_i would be: same seed, position and history output_ids + drafts
+        + q_1..q_i, over the same context. Its sample s_i is that step's draft exactly when
+        q_1..q_i = s_0..s_{i-1}, so the drafts gain s_0, s_1, ... up to the first s_i != q_{i+1}
+        (kept: its own context was right) or a draft that ends the request. Requests with proposals
+        have no grammar (proposals())."""
+        props = proposals or [[]] * len(group)
         rows = [
-            SamplingRow(params=r.sampling_params, seed=r.seed, position=len(r.output_ids) + len(r.spec.drafts),
-                        output_ids=r.output_ids + r.spec.drafts, prompt_ids=r.origin_input_ids)
-            for r in group
+            SamplingRow(params=r.sampling_params, seed=r.seed,
+                        position=len(r.output_ids) + len(r.spec.drafts) + i,
+                        output_ids=r.output_ids + r.spec.drafts + q[:i], prompt_ids=r.origin_input_ids)
+            for r, q in zip(group, props)
+            for i in range(len(q) + 1)
         ]
         info = SamplingBatchInfo.from_rows(rows, self.vocab_size, logits.device, self.eos_token_ids)
         masks = [r.grammar and r.grammar.next_bitmask() for r in group]
-        info.vocab_mask = vocab_mask(masks, self.vocab_size)
-        for r, tok, mask in zip(group, self.sampler(logits, info).next_token_ids.tolist(), masks):
+        row_masks = [m for m, q in zip(masks, props) for _ in range(len(q) + 1)]
+        info.vocab_mask = vocab_mask(row_masks, self.vocab_size)
+        sampled, row = self.sampler(logits, info).next_token_ids.tolist(), 0
+        for r, q, mask in zip(group, props, masks):
+            toks, row = sampled[row : row + len(q) + 1], row + len(q) + 1
             st = r.spec
             if r.grammar is not None:
-                if not r.grammar.accept(tok):  # nothing allowed: stop drafting, verify decides
+                if not r.grammar.accept(toks[0]):  # nothing allowed: stop drafting, verify decides
                     st.draft_target = len(st.drafts)
                     continue
                 st.draft_masks.append(mask)  # the verifier's row for this draft uses the same mask
-            st.drafts.append(tok)
+            taken = 0
+            for tok in toks:
+                st.drafts.append(tok)
+                if taken == len(q) or tok != q[taken] or self.draft_stopped(r):
+                    break
+                taken += 1
+            if q:
+                self.account_proposals(r, len(q), taken)
 
     # ------------------------------------------------------------------ verify
 
@@ -329,6 +388,14 @@ class VeriCacheRound:
                 if not v.req.finished:
                     self.two_tier.fold(v.req)
         self.output.finish_round([v.req for v in verdicts])
+
+    def account_proposals(self, req: Req, proposed: int, taken: int) -> None:
+        """taken of proposed n-gram proposal tokens were the drafter's own samples."""
+        m = req.meta
+        m["spec_ngram_proposed_tokens"] = m.get("spec_ngram_proposed_tokens", 0) + proposed
+        m["spec_ngram_accepted_tokens"] = m.get("spec_ngram_accepted_tokens", 0) + taken
+        self.metrics.spec_ngram_proposed_total += proposed
+        self.metrics.spec_ngram_accepted_total += taken
 
     def account(self, req: Req, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         req.spec.accept_ema = self.policy.update(self.accept_ema(req), accepted, drafted)

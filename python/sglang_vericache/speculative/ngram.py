@@ -1,0 +1,77 @@
+"""N-gram proposals for VeriCache drafting (--speculative-ngram): a request's own prompt and output,
+indexed by n-gram, propose what followed the last time its newest n tokens occurred.
+
+A proposal is not a draft. The round (vericache_round.py) feeds it to the compressed-KV drafter as a
+causal chain of rows in ONE draft forward and keeps the longest prefix the drafter's own sampler
+agrees with, plus the drafter's token after it (see VeriCacheRound.sample_drafts). So every draft is
+still the token the drafter samples at its position, as it would one step at a time; proposals only
+let it take several in one forward. Verification, acceptance and exactness are unchanged.
+
+NgramIndex covers the committed tokens (prompt + output): for every n in [min_window, max_window]
+it maps each n-gram to the position right after its latest occurrence that has a token after it.
+It is caught up lazily (sync) before a lookup; drafts are never indexed (they may be rejected), but
+the n-gram looked up is the newest n tokens of committed + drafts, and the continuation read may run
+from committed tokens into the drafts. The longest window that matches wins; of its occurrences the
+latest does (SGLang's NGRAM keeps a cross-request trie with BFS branches; this is one chain per
+request, breadth 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """--speculative-ngram-min-match-window-size / -max-match-window-size / -branch-length."""
+
+    min_window: int = 1
+    max_window: int = 12
+    branch_length: int = 8  # the most proposal tokens one draft forward checks per request
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_window <= self.max_window <= 64:
+            raise ValueError("--speculative-ngram-min-match-window-size / -max-match-window-size must "
+                             f"satisfy 1 <= min <= max <= 64, got {self.min_window} / {self.max_window}")
+        if not 1 <= self.branch_length <= 64:
+            raise ValueError(f"--speculative-ngram-branch-length must be 1..64, got {self.branch_length}")
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    min_window: int
+    max_window: int
+    tokens: list[int] = field(default_factory=list)  # the committed tokens indexed so far
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after it
+
+    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Indexes committed tokens prompt + output beyond those already indexed (they only grow)."""
+        n, p = len(self.tokens), len(prompt)
+        if n < p:
+            self.extend(prompt[n:])
+        self.extend(output[max(0, n - p):])
+
+    def extend(self, new: Sequence[int]) -> None:
+        toks, last, lo, hi = self.tokens, self.last, self.min_window, self.max_window
+        for tok in new:
+            t = len(toks)  # tok is the continuation of every n-gram ending right before it
+            for n in range(lo, min(hi, t) + 1):
+                last[tuple(toks[t - n : t])] = t
+            toks.append(tok)
+
+    def propose(self, drafts: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest window of
+        committed + drafts' newest tokens; [] when no window of at least min_window matches."""
+        if k < 1:
+            return []
+        toks = self.tokens
+        tail = (toks[-self.max_window:] + list(drafts))[-self.max_window:]
+        for n in range(len(tail), self.min_window - 1, -1):
+            t = self.last.get(tuple(tail[-n:]))
+            if t is not None:
+                out = toks[t : t + k]
+                if len(out) < k:  # the continuation runs on into this round's drafts
+                    out += drafts[: k - len(out)]
+                return out
+        return []
