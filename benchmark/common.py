@@ -129,6 +129,9 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "spec_drafted": m.spec_drafted_total,
         "spec_accepted": m.spec_accepted_total,
         "retracted": m.num_retracted_total,
+        "draft_rows": m.spec_draft_rows_total,
+        "spec_ngram_proposed": m.spec_ngram_proposed_total,
+        "spec_ngram_accepted": m.spec_ngram_accepted_total,
         "round_trace": m.round_trace,
         "forward_seconds": forward_seconds,
     }

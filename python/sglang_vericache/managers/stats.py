@@ -28,6 +28,7 @@ class SchedulerMetrics:
     spec_drafted_total: int = 0
     spec_accepted_total: int = 0
     spec_draft_forwards_total: int = 0  # forwards with draft rows (DRAFT_DECODE or MIXED)
+    spec_draft_rows_total: int = 0  # draft rows in them (one per drafting request, plus n-gram proposals)
     spec_ngram_proposed_total: int = 0  # n-gram proposal tokens checked by the drafter
     spec_ngram_accepted_total: int = 0  # of them, the drafter's own samples (taken as drafts)
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -111,6 +112,7 @@ class SchedulerMetrics:
             "spec_accepted_tokens_total": self.spec_accepted_total,
             "spec_accept_length": (self.spec_accepted_total + self.spec_rounds_total) / rounds,
             "spec_draft_forwards_total": self.spec_draft_forwards_total,
+            "spec_draft_rows_total": self.spec_draft_rows_total,
             "spec_ngram_proposed_tokens_total": self.spec_ngram_proposed_total,
             "spec_ngram_accepted_tokens_total": self.spec_ngram_accepted_total,
         }

@@ -211,6 +211,7 @@ class VeriCacheRound:
         if drafting:
             fb.draft_ctx = self.two_tier.draft_context(d_rows, self.draft_pool, draft_slots)
             self.metrics.spec_draft_forwards_total += 1
+            self.metrics.spec_draft_rows_total += len(d_rows)
         if verifiers:
             fb.logits_indices = torch.arange(len(input_ids), dtype=torch.int64)
         if mode == ForwardMode.MIXED and resident:
