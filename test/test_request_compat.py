@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_vericache.managers.field_policy import GENERATE_FIELDS, Policy
+from sglang_vericache.managers.field_policy import (
+    GENERATE_FIELDS,
+    OPENAI_ONLY_FIELDS,
+    Policy,
+    check_openai_body,
+)
+from sglang_vericache.sampling.sampling_params import InvalidRequest
 
 PROMPT = "def return import class self value"
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -254,6 +260,40 @@ def test_openai_endpoints_refuse_what_generate_refuses_and_keep_pydantic_types(b
     assert r.status_code == 200, r.text
     r = post(base_url, "/v1/completions", prompt=PROMPT, max_tokens="two")
     assert r.status_code == 400 and "max_tokens" in message(r)
+
+
+def test_every_own_field_of_the_installed_sglangs_openai_requests_has_a_rule():
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    for model in (CompletionRequest, ChatCompletionRequest):
+        own = set(model.model_fields) - set(GENERATE_FIELDS)
+        rules = set(OPENAI_ONLY_FIELDS[model.__name__])
+        assert (sorted(own - rules), sorted(rules - own)) == ([], []), model.__name__
+
+
+def test_openai_only_fields_are_ignored_with_one_warning_or_refused_by_name(caplog):
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    where = f"/v1/chat/completions-{uuid.uuid4().hex}"  # warnings are once per (endpoint, name)
+    with caplog.at_level("WARNING", logger="sglang_vericache.managers.field_policy"):
+        for _ in range(2):
+            check_openai_body({**chat, "user": "u-1", "reasoning_effort": "low", "return_meta_info": False},
+                              ChatCompletionRequest, where)
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"{where}: request field 'reasoning_effort' is accepted and ignored: read by some reasoning models' "
+        "chat templates; not passed to the template here (chat_template_kwargs is)",
+        f"{where}: request field 'user' is accepted and ignored: an end-user id for the provider's abuse "
+        "monitoring; nothing here uses it",
+    ]
+    with pytest.raises(InvalidRequest, match="^continue_final_message is not supported by this server: the chat "
+                                             "template always opens a new assistant message here$"):
+        check_openai_body({**chat, "continue_final_message": True}, ChatCompletionRequest, where)
+    with pytest.raises(InvalidRequest, match="^return_token_ids is not supported by this server: this server "
+                                             "does not compute it on this endpoint"):
+        check_openai_body({"model": "m", "prompt": "x", "return_token_ids": True}, CompletionRequest, where)
+    check_openai_body({"model": "m", "prompt": "x", "echo": True, "return_token_ids": False}, CompletionRequest,
+                      where)
 
 
 # ---------------------------------------------------------------- fields implemented here

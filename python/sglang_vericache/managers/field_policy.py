@@ -241,9 +241,50 @@ OPENAI_RULES: dict[str, FieldRule] = {
 }
 
 
+# The OpenAI request models' own fields (not GenerateReqInput's; SGLang's CompletionRequest and
+# ChatCompletionRequest, sglang 0.5.23): read by serving_completions.py / serving_chat.py (USED,
+# their values checked there), or ignored / refused as above. test/test_request_compat.py fails on
+# a field of the installed models with no rule here.
+_OPENAI_SAMPLING = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
+                    "stop_regex", "seed", "logprobs", "logit_bias", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "min_tokens", "ignore_eos", "no_stop_trim", "skip_special_tokens",
+                    "regex", "ebnf", "response_format", "stream_options")
+_OPENAI_UNHANDLED: dict[str, FieldRule] = {
+    "user": _ignored("an end-user id for the provider's abuse monitoring; nothing here uses it"),
+    "custom_params": _refused("custom logit processors are not supported"),
+    "return_cached_tokens_details": _refused(_EXTRA_OUTPUT + " (usage.prompt_tokens_details.cached_tokens: "
+                                             "--enable-cache-report)"),
+    "return_spec_tokens_details": _refused(_EXTRA_OUTPUT + " (per-request VeriCache counters are in /generate's "
+                                           "meta_info)"),
+    "return_token_ids": _refused(_EXTRA_OUTPUT + " on this endpoint (/generate returns output_ids)"),
+}
+OPENAI_ONLY_FIELDS: dict[str, dict[str, FieldRule]] = {
+    "CompletionRequest": {
+        **{name: _used() for name in (*_OPENAI_SAMPLING, "prompt", "echo", "suffix", "best_of", "json_schema")},
+        **_OPENAI_UNHANDLED,
+    },
+    "ChatCompletionRequest": {
+        **{name: _used() for name in (*_OPENAI_SAMPLING, "messages", "max_completion_tokens", "top_logprobs",
+                                      "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                      "separate_reasoning", "stream_reasoning")},
+        **_OPENAI_UNHANDLED,
+        "reasoning_effort": _ignored("read by some reasoning models' chat templates; not passed to the "
+                                     "template here (chat_template_kwargs is)"),
+        "thinking": _ignored("read by some models' chat templates; not passed to the template here "
+                             "(chat_template_kwargs is)"),
+        "continue_final_message": _refused("the chat template always opens a new assistant message here"),
+        "task": _refused("DeepSeek-V4's quick-instruction prompts are not built here"),
+        "return_meta_info": _refused(_EXTRA_OUTPUT + " on this endpoint (/generate returns meta_info)"),
+        "return_input_ids_in_sglext": _refused(_EXTRA_OUTPUT + " on this endpoint"),
+        "return_output_ids_in_sglext": _refused(_EXTRA_OUTPUT + " on this endpoint"),
+    },
+}
+
+
 def check_openai_body(body: dict, model_cls: Any, where: str) -> None:
-    """After the pydantic model accepted `body`: warns about keys it does not know, and applies the
-    /generate rules to the SGLang extension fields it carries (their types pydantic checked)."""
+    """After the pydantic model accepted `body`: warns about keys it does not know, applies the
+    /generate rules to the SGLang extension fields it carries, and OPENAI_ONLY_FIELDS' rules to its
+    own (their types pydantic checked)."""
     known: set[str] = set()
     for name, info in model_cls.model_fields.items():
         known.add(name)
@@ -256,3 +297,6 @@ def check_openai_body(body: dict, model_cls: Any, where: str) -> None:
             check_dp_rank(name, value)
         else:
             _apply(OPENAI_RULES.get(name, GENERATE_FIELDS[name]), name, value, where)
+    own = OPENAI_ONLY_FIELDS.get(model_cls.__name__, {})
+    for name in sorted(set(body) & set(own) - set(GENERATE_FIELDS)):
+        _apply(own[name], name, body[name], where)
