@@ -14,6 +14,12 @@ the n-gram looked up is the newest n tokens of committed + drafts, and the conti
 from committed tokens into the drafts. The longest window that matches wins; of its occurrences the
 latest does (SGLang's NGRAM keeps a cross-request trie with BFS branches; this is one chain per
 request, breadth 1).
+
+A request's proposal length adapts (NgramIndex.adapt): twice as long after a proposal the drafter
+took whole, one past the taken prefix otherwise, within [1, branch length]. A proposal's rows cost
+whether taken or not (on a CPU about a fifth of a one-row forward each); this keeps the draft forwards
+about as few as fixed-length proposals do (221 vs 218 on four code prompts) with less than half the
+rows (1010 vs 2303).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class NgramConfig:
 class NgramIndex:
     min_window: int
     max_window: int
+    span: int = 8  # the proposal length to try next (adapt; starts at the branch length)
     tokens: list[int] = field(default_factory=list)  # the committed tokens indexed so far
     last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after it
 
@@ -59,6 +66,11 @@ class NgramIndex:
             for n in range(lo, min(hi, t) + 1):
                 last[tuple(toks[t - n : t])] = t
             toks.append(tok)
+
+    def adapt(self, proposed: int, taken: int, cap: int) -> None:
+        """After a check of `proposed` tokens of which the drafter took `taken`: twice the span when
+        all were taken, else one past what was (a proposal's rows are paid for whether taken or not)."""
+        self.span = min(cap, 2 * self.span) if taken == proposed else max(1, taken + 1)
 
     def propose(self, drafts: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest window of

@@ -254,16 +254,17 @@ class VeriCacheRound:
     def proposals(self, req: Req) -> list[int]:
         """The n-gram proposals checked in req's next draft forward: [] without --speculative-ngram,
         for a constrained request (its rows' masks would need the matcher advanced along the chain),
-        or when the round has fewer than two drafts left (one needs no chain). At most drafts left
-        less one, so the drafts never pass the round's target (nor the X+1 draft slots)."""
+        or when the round has fewer than two drafts left (one needs no chain). At most the request's
+        current span (NgramIndex.adapt, up to the branch length) and the drafts left less one, so
+        the drafts never pass the round's target (nor the X+1 draft slots)."""
         if self.ngram is None or req.grammar is not None:
             return []
-        st = req.spec
-        k = min(self.ngram.branch_length, st.draft_target - len(st.drafts) - 1)
+        st, cfg = req.spec, self.ngram
+        if st.ngram is None:
+            st.ngram = NgramIndex(cfg.min_window, cfg.max_window, cfg.branch_length)
+        k = min(st.ngram.span, st.draft_target - len(st.drafts) - 1)
         if k < 1:
             return []
-        if st.ngram is None:
-            st.ngram = NgramIndex(self.ngram.min_window, self.ngram.max_window)
         st.ngram.sync(req.origin_input_ids, req.output_ids)
         return st.ngram.propose(st.drafts, k)
 
@@ -308,6 +309,7 @@ class VeriCacheRound:
                 taken += 1
             if q:
                 self.account_proposals(r, len(q), taken)
+                st.ngram.adapt(len(q), taken, self.ngram.branch_length)
 
     # ------------------------------------------------------------------ verify
 
