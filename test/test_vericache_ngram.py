@@ -2,8 +2,8 @@
 compressed-KV drafter several at a time in one draft forward. The drafts are the drafter's own
 token-by-token drafts (the same rounds, drafted and accepted, as plain VeriCache), so the output is
 deterministic full mode's bitwise in bfloat16 (tokens and logprobs), greedy and seeded, among other
-requests, on a prefix hit, lock-step, staggered, adaptive and with a remote verifier; only the
-number of draft forwards drops.
+requests, on a prefix hit, under a grammar, lock-step, staggered, adaptive and with a remote
+verifier; only the number of draft forwards drops.
 """
 
 from __future__ import annotations
@@ -226,3 +226,38 @@ def test_fewer_draft_forwards_per_token_on_a_repetitive_code_prompt():
     assert out1 == out0 and trace1 == trace0 and len(trace0) == 7
     assert (fwd0, fwd1, taken) == (53, 22, 31)
     assert fwd0 - fwd1 == taken  # each proposal token taken is one draft step not run
+
+
+# ---------------------------------------------------------------- under a grammar
+
+
+GRAMMARS = {"regex": r"(ab ){2,9}(cd|ef)\.", "ebnf": 'root ::= ("x = " [0-9] "\\n"){2,6}'}
+GRAMMAR_PROMPTS = ["ab ab ab ab ab ab cd. ab ab ab ab ab ef. ab ab", "x = 1\nx = 2\nx = 1\nx = 2\n"]
+
+
+@pytest.fixture(scope="module")
+def llama_tok(tmp_path_factory):
+    return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama_tok")))
+
+
+def constrained(path, sampling, **server):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    sched = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", page_size=8, enable_deterministic_inference=True,
+                                 **server))
+    reqs = [make_request(f"{kind}{i}", tok.encode(p), seed=11 + i, max_new_tokens=40, return_logprob=True,
+                         **{kind: spec}, **sampling)
+            for kind, spec in GRAMMARS.items() for i, p in enumerate(GRAMMAR_PROMPTS)]
+    res = run_to_completion(sched, reqs)
+    return {rid: (r.output_ids, r.output_token_logprobs, r.finished_reason) for rid, r in res.items()}, sched
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, SEEDED], ids=["greedy", "seeded"])
+def test_constrained_requests_check_proposals_the_grammar_allows(llama_tok, sampling):
+    full, _ = constrained(llama_tok, sampling)
+    got, vc = constrained(llama_tok, sampling, kv_compressor="int8", speculative_algorithm="VERICACHE",
+                          speculative_num_draft_tokens="6", **NGRAM)
+    assert got == full
+    assert all(reason == {"type": "stop", "matched": 2} for _, _, reason in got.values())  # the grammar's end
+    assert vc.metrics.spec_ngram_accepted_total > 0  # proposals taken under the mask

@@ -19,13 +19,18 @@ A request's proposal length adapts (NgramIndex.adapt): twice as long after a pro
 took whole, one past the taken prefix otherwise, within [1, branch length]. A proposal's rows cost
 whether taken or not (on a CPU about a fifth of a one-row forward each); this keeps the draft forwards
 about as few as fixed-length proposals do (221 vs 218 on four code prompts) with less than half the
-rows (1010 vs 2303).
+rows (1010 vs 2303). Under a grammar, chain_proposals cuts a proposal where the grammar refuses or
+ends it, and chain_masks gives each row the mask the drafter's step there is sampled under.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +92,37 @@ class NgramIndex:
                     out += drafts[: k - len(out)]
                 return out
         return []
+
+
+def chain_proposals(req: Req, cfg: NgramConfig) -> list[int]:
+    """The proposals checked in req's next draft forward: [] when the round has fewer than two drafts
+    left (one needs no chain); at most req's span (NgramIndex.adapt) and the drafts left less one,
+    so the drafts never pass the round's target (nor its X+1 draft slots). Under a grammar, cut
+    before the first token it refuses and after the one that ends it (no row past its end)."""
+    st = req.spec
+    if st.ngram is None:
+        st.ngram = NgramIndex(cfg.min_window, cfg.max_window, cfg.branch_length)
+    k = min(st.ngram.span, st.draft_target - len(st.drafts) - 1)
+    if k < 1:
+        return []
+    st.ngram.sync(req.origin_input_ids, req.output_ids)
+    q = st.ngram.propose(st.drafts, k)
+    if req.grammar is None or not q:
+        return q
+    g, n, ended = req.grammar, 0, False
+    while n < len(q) and not ended and g.accept(q[n]):
+        n, ended = n + 1, g.terminated
+    g.rollback(n)
+    return q[: n - 1] if ended else q[:n]  # q_n may still be drafted: it is sampled at row n-1
+
+
+def chain_masks(req: Req, q: list[int]) -> list:
+    """The grammar mask of each row of req's chain [last token, q_1..q_k]: row i's is the matcher's
+    after q_1..q_i, what the drafter's step after them is sampled under; the matcher is left as it was."""
+    g = req.grammar
+    masks = [g.next_bitmask()]
+    for tok in q:
+        assert g.accept(tok), "chain_proposals keeps only what the grammar accepts"
+        masks.append(g.next_bitmask())
+    g.rollback(len(q))
+    return masks

@@ -48,7 +48,7 @@ from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
 from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
-from sglang_vericache.speculative.ngram import NgramConfig, NgramIndex
+from sglang_vericache.speculative.ngram import NgramConfig, chain_masks, chain_proposals
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.sampler import Sampler
@@ -252,21 +252,8 @@ class VeriCacheRound:
         return rows, input_ids, positions, out_loc, draft_slots
 
     def proposals(self, req: Req) -> list[int]:
-        """The n-gram proposals checked in req's next draft forward: [] without --speculative-ngram,
-        for a constrained request (its rows' masks would need the matcher advanced along the chain),
-        or when the round has fewer than two drafts left (one needs no chain). At most the request's
-        current span (NgramIndex.adapt, up to the branch length) and the drafts left less one, so
-        the drafts never pass the round's target (nor the X+1 draft slots)."""
-        if self.ngram is None or req.grammar is not None:
-            return []
-        st, cfg = req.spec, self.ngram
-        if st.ngram is None:
-            st.ngram = NgramIndex(cfg.min_window, cfg.max_window, cfg.branch_length)
-        k = min(st.ngram.span, st.draft_target - len(st.drafts) - 1)
-        if k < 1:
-            return []
-        st.ngram.sync(req.origin_input_ids, req.output_ids)
-        return st.ngram.propose(st.drafts, k)
+        """The n-gram proposals checked in req's next draft forward ([] without --speculative-ngram)."""
+        return [] if self.ngram is None else chain_proposals(req, self.ngram)
 
     def draft_slots(self, req: Req, n: int) -> torch.Tensor:
         base = 1 + req.req_pool_idx * self.stride
@@ -278,8 +265,9 @@ class VeriCacheRound:
         next draft step after q_1..q_i would be: same seed, position and history output_ids + drafts
         + q_1..q_i, over the same context. Its sample s_i is that step's draft exactly when
         q_1..q_i = s_0..s_{i-1}, so the drafts gain s_0, s_1, ... up to the first s_i != q_{i+1}
-        (kept: its own context was right) or a draft that ends the request. Requests with proposals
-        have no grammar (proposals())."""
+        (kept: its own context was right) or a draft that ends the request. Under a grammar row i is
+        masked as that step would be (chain_masks), and each draft is accepted by the matcher and
+        keeps its mask for the verifier's row at its position."""
         props = proposals or [[]] * len(group)
         rows = [
             SamplingRow(params=r.sampling_params, seed=r.seed,
@@ -289,20 +277,20 @@ class VeriCacheRound:
             for i in range(len(q) + 1)
         ]
         info = SamplingBatchInfo.from_rows(rows, self.vocab_size, logits.device, self.eos_token_ids)
-        masks = [r.grammar and r.grammar.next_bitmask() for r in group]
-        row_masks = [m for m, q in zip(masks, props) for _ in range(len(q) + 1)]
-        info.vocab_mask = vocab_mask(row_masks, self.vocab_size)
+        masks = [chain_masks(r, q) if r.grammar is not None else [None] * (len(q) + 1)
+                 for r, q in zip(group, props)]
+        info.vocab_mask = vocab_mask([m for ms in masks for m in ms], self.vocab_size)
         sampled, row = self.sampler(logits, info).next_token_ids.tolist(), 0
-        for r, q, mask in zip(group, props, masks):
+        for r, q, ms in zip(group, props, masks):
             toks, row = sampled[row : row + len(q) + 1], row + len(q) + 1
             st = r.spec
-            if r.grammar is not None:
-                if not r.grammar.accept(toks[0]):  # nothing allowed: stop drafting, verify decides
-                    st.draft_target = len(st.drafts)
-                    continue
-                st.draft_masks.append(mask)  # the verifier's row for this draft uses the same mask
             taken = 0
-            for tok in toks:
+            for tok, mask in zip(toks, ms):
+                if r.grammar is not None:
+                    if not r.grammar.accept(tok):  # nothing allowed: stop drafting, verify decides
+                        st.draft_target = len(st.drafts)
+                        break
+                    st.draft_masks.append(mask)  # the verifier's row for this draft uses the same mask
                 st.drafts.append(tok)
                 if taken == len(q) or tok != q[taken] or self.draft_stopped(r):
                     break
