@@ -1,6 +1,6 @@
 """launch_server --dp-size without servers: its command-line errors, the router's flags, the replicas'
-command lines and devices, and a replica that fails to start (a stand-in process). The servers
-behind the router are test_sglang_router.py's."""
+command lines and devices, a replica that fails to start and one whose scheduler stopped (stand-in
+processes). The servers behind the router are test_sglang_router.py's."""
 
 from __future__ import annotations
 
@@ -137,3 +137,54 @@ def test_router_flags_are_in_the_help():
 
     assert add_router_cli_args(parser)
     assert "--router-policy" in parser.format_help() and "--router-disable-retries" in parser.format_help()
+
+
+# A stand-in replica: an HTTP server on the port it is given whose /health answers 200, except that
+# dp0's answers 503 after its first answer (its scheduler stopped once launch_server saw it healthy).
+STAND_IN = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+rank, calls = os.environ["SGLANG_DP_RANK"], [0]
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        calls[0] += 1
+        self.send_response(503 if rank == "0" and calls[0] > 1 else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_replica_whose_scheduler_stopped_is_stopped_and_the_others_keep_serving(monkeypatch):
+    pytest.importorskip("sglang_router")
+    import asyncio
+
+    from sglang_vericache.dp.replica import ChildProcess, stop_all
+
+    monkeypatch.setattr(controller_mod, "replica_args",
+                        lambda argv, port: [sys.executable, "-c", STAND_IN, str(port)])
+    monkeypatch.setattr(controller_mod, "HEALTH_CHECK_INTERVAL_S", 0.2)
+    server_args, cli = parse_launch_args(["--model-path", MODEL, "--dp-size", "2"])
+    dp = controller_mod.DataParallelController(server_args, [], cli)
+    try:
+        dp.start_replicas()
+        dp.router = ChildProcess.start("router", [sys.executable, "-c", "import time; time.sleep(120)"])
+
+        async def supervise_until_dp0_is_handled() -> str | None:
+            stop = asyncio.Event()
+            task = asyncio.create_task(dp.supervise(stop))
+            for _ in range(200):
+                if 0 in dp.failures and not dp.replicas[0].alive:
+                    break
+                await asyncio.sleep(0.05)
+            stop.set()
+            return await task
+
+        assert asyncio.run(supervise_until_dp0_is_handled()) is None  # still serving
+        assert dp.stopped_replicas() == [f"dp0 ({dp.replica_urls[0]}) stopped by launch_server: its "
+                                         "scheduler is not running (/health answers 503)"]
+        assert (dp.replicas[0].proc.poll(), dp.replicas[1].alive) == (-15, True)
+    finally:
+        stop_all([*dp.replicas, *([dp.router] if dp.router else [])])

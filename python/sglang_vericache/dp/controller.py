@@ -12,10 +12,13 @@ Lifecycle:
   (exit 1) with its last output; then the router, until it reports all N workers healthy;
   then the front;
 - serve: a replica that exits is logged with its last output and removed from the router (its
-  streams in flight end with an error event, see front.py), and the others keep serving; the last
-  replica or the router exiting ends launch_server (exit 1);
+  streams in flight end with an error event, see front.py), and the others keep serving; one whose
+  /health answers 503 (its scheduler stopped: it has already failed its requests with that error)
+  is removed and stopped the same way; the last replica or the router exiting ends launch_server
+  (exit 1);
 - stop: SIGTERM / SIGINT closes the front (requests still open get FRONT_SHUTDOWN_S), then SIGTERM
-  to every child's process group, SIGKILL to what is left after STOP_GRACE_S. Children also die with launch_server (PR_SET_PDEATHSIG).
+  to every child's process group, SIGKILL to what is left after STOP_GRACE_S. Children also die
+  with launch_server (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 ROUTER_READY_TIMEOUT_S = 120.0
 SUPERVISE_INTERVAL_S = 0.5
+HEALTH_CHECK_INTERVAL_S = 5.0  # how often a running replica's /health is read
 INFO_TIMEOUT_S = 5.0
 FRONT_SHUTDOWN_S = 3.0  # on SIGTERM, requests still open at the front get this long before it closes
 
@@ -79,6 +83,7 @@ class DataParallelController:
         self.replicas: list[ChildProcess] = []
         self.router: ChildProcess | None = None
         self.removed: set[int] = set()  # dp ranks whose exit was handled
+        self.failures: dict[int, str] = {}  # dp rank -> why launch_server stopped it
 
     # ------------------------------------------------------------------ start
 
@@ -139,9 +144,16 @@ class DataParallelController:
 
     # ------------------------------------------------------------------ state
 
+    def exit_of(self, rank: int) -> str | None:
+        """How replica `rank` ended (None while it serves)."""
+        if rank in self.failures:
+            return self.failures[rank]
+        replica = self.replicas[rank]
+        return None if replica.alive else describe_exit(replica.proc.poll())
+
     def stopped_replicas(self) -> list[str]:
-        return [f"dp{rank} ({self.replica_urls[rank]}) {describe_exit(r.proc.poll())}"
-                for rank, r in enumerate(self.replicas) if not r.alive]
+        return [f"dp{rank} ({self.replica_urls[rank]}) {self.exit_of(rank)}"
+                for rank in range(len(self.replicas)) if self.exit_of(rank) is not None]
 
     async def server_info(self) -> dict[str, Any]:
         """The first serving replica's /server_info (its args are every replica's), with this
@@ -164,9 +176,11 @@ class DataParallelController:
         replicas = []
         for rank, (replica, info) in enumerate(zip(self.replicas, infos)):
             state = "exited" if not replica.alive else ("serving" if info is not None else "not answering")
+            if rank in self.failures:
+                state = "exited" if not replica.alive else "stopping"
             replicas.append({
                 "dp_rank": rank, "url": self.replica_urls[rank], "pid": replica.pid, "state": state,
-                "exit": None if replica.alive else describe_exit(replica.proc.poll()),
+                "exit": self.exit_of(rank),
                 "internal_states": info.get("internal_states", []) if info else [],
             })
         first = next((i for i in infos if i is not None), {})
@@ -197,17 +211,45 @@ class DataParallelController:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             logger.warning("could not remove dp%d from the router: %s", rank, e)
 
+    async def _scheduler_stopped(self, session: aiohttp.ClientSession, rank: int) -> bool:
+        """/health answers 503: the replica's server runs, its scheduler does not (a replica too
+        busy to answer, or one exiting, is not counted: poll() sees an exit)."""
+        try:
+            async with session.get(self.replica_urls[rank] + "/health") as r:
+                return r.status == 503
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def _check_health(self, session: aiohttp.ClientSession) -> None:
+        ranks = [rank for rank, r in enumerate(self.replicas) if rank not in self.removed and r.alive]
+        stopped = await asyncio.gather(*(self._scheduler_stopped(session, rank) for rank in ranks))
+        for rank in (rank for rank, s in zip(ranks, stopped) if s):
+            self.removed.add(rank)
+            self.failures[rank] = ("stopped by launch_server: its scheduler is not running "
+                                   "(/health answers 503)")
+            logger.error("replica dp%d: its scheduler is not running (/health answers 503); stopping it, the "
+                         "other replicas keep serving", rank)
+            await self._remove_from_router(session, rank)
+            replica = self.replicas[rank]
+            replica.begin_stop()
+            await asyncio.to_thread(replica.finish_stop, time.monotonic() + 10.0)
+
     async def supervise(self, stop: asyncio.Event) -> str | None:
         """Watches the children until stop is set (None) or serving is over (the reason)."""
+        next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as session:
             while not stop.is_set():
                 if not self.router.alive:
-                    return f"sglang-router stopped: {self.router.exit_reason()}"
+                    return f"sglang-router stopped: {await asyncio.to_thread(self.router.exit_reason)}"
                 for rank, replica in enumerate(self.replicas):
                     if rank not in self.removed and not replica.alive:
                         self.removed.add(rank)
-                        logger.error("replica %s; the other replicas keep serving", replica.exit_reason())
+                        reason = await asyncio.to_thread(replica.exit_reason)
+                        logger.error("replica %s; the other replicas keep serving", reason)
                         await self._remove_from_router(session, rank)
+                if time.monotonic() >= next_health_check:
+                    await self._check_health(session)
+                    next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
                 if len(self.removed) == len(self.replicas):
                     return "every replica has stopped"
                 try:
