@@ -188,3 +188,16 @@ def test_a_replica_whose_scheduler_stopped_is_stopped_and_the_others_keep_servin
         assert (dp.replicas[0].proc.poll(), dp.replicas[1].alive) == (-15, True)
     finally:
         stop_all([*dp.replicas, *([dp.router] if dp.router else [])])
+
+
+def test_a_request_naming_its_dp_rank_is_sent_to_that_replica_as_rank_0():
+    from sglang_vericache.dp.front import routed_rank
+
+    body = b'{"text": "x", "routed_dp_rank": 1}'
+    assert routed_rank("/generate", body) == (1, b'{"text": "x", "routed_dp_rank": 0}')
+    assert routed_rank("/v1/chat/completions", b'{"data_parallel_rank": 3}') == (
+        3, b'{"data_parallel_rank": 0}')
+    for path, unrouted in (("/generate", b'{"text": "x", "routed_dp_rank": null}'),
+                           ("/generate", b'{"routed_dp_rank": [0, 1]}'),  # per prompt: the replica checks it
+                           ("/generate", b'not json _rank'), ("/flush_cache", b'{"routed_dp_rank": 1}')):
+        assert routed_rank(path, unrouted) == (None, unrouted)

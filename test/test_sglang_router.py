@@ -207,6 +207,18 @@ def test_dp_openai_endpoints(dp):
     openai_both_ways(dp.url, dp)
 
 
+def test_dp_a_request_naming_its_rank_is_served_by_that_replica(dp, expected):
+    for rank in (1, 0):
+        rid = f"ranked-{uuid.uuid4().hex}"
+        body = {"text": PROMPT, "sampling_params": GREEDY, "rid": rid, "routed_dp_rank": rank}
+        r = requests.post(dp.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["output_ids"] == expected["output_ids"], r.text
+        assert dp.served_by(rid) == [rank]
+    r = requests.post(dp.url + "/generate", json={"text": PROMPT, "routed_dp_rank": 2}, timeout=30)
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "routed_dp_rank=2 out of range [0, 2): launch_server runs 2 data-parallel replicas")
+
+
 # ---------------------------------------------------------------------- the router run by hand
 
 

@@ -151,6 +151,9 @@ class DataParallelController:
         replica = self.replicas[rank]
         return None if replica.alive else describe_exit(replica.proc.poll())
 
+    def serving_replica_url(self, rank: int) -> str | None:
+        return self.replica_urls[rank] if self.exit_of(rank) is None else None
+
     def stopped_replicas(self) -> list[str]:
         return [f"dp{rank} ({self.replica_urls[rank]}) {self.exit_of(rank)}"
                 for rank in range(len(self.replicas)) if self.exit_of(rank) is not None]
@@ -264,7 +267,7 @@ class DataParallelController:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         app = make_front_app(self.router_url, self.server_info, self.stopped_replicas,
-                             self.server_args.api_key)
+                             self.server_args.api_key, self.serving_replica_url, len(self.replicas))
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=FRONT_SHUTDOWN_S)
         await runner.setup()
         try:

@@ -5,6 +5,11 @@ front serves both (every replica's state, controller.server_info) and passes eve
 to the router on its loopback port as it came: method, path, query, headers, body; the router's
 answer comes back with its status and headers, event streams chunk by chunk.
 
+A request that names its data-parallel rank (SGLang's `routed_dp_rank`, or its older name
+`data_parallel_rank`, on /generate and the OpenAI endpoints) goes to that replica directly, the
+field reset to rank 0 of the one-rank server it reaches; a rank out of range is a 400, a stopped
+replica's a 503.
+
 When a stream breaks off (the replica serving it died: the router can retry a request only before
 its first byte), the front ends it as our server ends a failed stream, with an error event naming
 the replicas that stopped, then `data: [DONE]`. --api-key is checked here (the router presents the
@@ -29,6 +34,8 @@ OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/liveness", "/readiness")
 _NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"}
 DEATH_SETTLE_S = 0.5  # a stream broke: let the controller see the replica's exit before naming it
+RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+RANKED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 def _error(message: str, status: int) -> web.Response:
@@ -43,9 +50,32 @@ def _forwarded(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
 
 
+def routed_rank(path: str, body: bytes) -> tuple[int | None, bytes]:
+    """(the rank the body names, the body with that field set to 0), or (None, body) when it names
+    none (or is not a JSON object: the replica's own checks answer that)."""
+    if path not in RANKED_PATHS or b"_rank" not in body:
+        return None, body
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None, body
+    if not isinstance(obj, dict):
+        return None, body
+    ranks = [obj[name] for name in RANK_FIELDS if obj.get(name) is not None]
+    if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return None, body
+    for name in RANK_FIELDS:
+        if obj.get(name) is not None:
+            obj[name] = 0
+    return ranks[0], json.dumps(obj).encode()
+
+
 def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str, Any]]],
-                   stopped_replicas: Callable[[], list[str]], api_key: str | None) -> web.Application:
-    """server_info(): the /server_info body; stopped_replicas(): one line per replica that exited."""
+                   stopped_replicas: Callable[[], list[str]], api_key: str | None,
+                   replica_url: Callable[[int], str | None] | None = None,
+                   dp_size: int = 1) -> web.Application:
+    """server_info(): the /server_info body; stopped_replicas(): one line per replica that exited;
+    replica_url(rank): the URL of a serving replica, None for a stopped one."""
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
@@ -74,7 +104,17 @@ def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str
 
     async def proxy(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        url = router_url + request.rel_url.raw_path_qs
+        base = router_url
+        rank, body = routed_rank(request.path, body) if request.method == "POST" else (None, body)
+        if rank is not None:
+            if not 0 <= rank < dp_size:
+                return _error(f"routed_dp_rank={rank} out of range [0, {dp_size}): launch_server runs "
+                              f"{dp_size} data-parallel replicas", 400)
+            base = replica_url(rank) if replica_url else None
+            if base is None:
+                stopped = "; ".join(stopped_replicas())
+                return _error(f"data-parallel rank {rank} is not serving: {stopped}", 503)
+        url = base + request.rel_url.raw_path_qs
         session: aiohttp.ClientSession = request.app["session"]
         try:
             upstream = await session.request(request.method, url, headers=_forwarded(request.headers),
