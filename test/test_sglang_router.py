@@ -1,10 +1,11 @@
 """sglang-router in front of our servers, both ways a user runs it, on one set of two replicas (the
 bundled model):
 
-- `launch_server --dp-size 2` (dp/controller.py): its /server_info lists both replicas, requests
-  through its --port are answered by both replicas with one server's tokens and logprobs (native,
-  streamed, OpenAI), a killed replica's stream ends with an error event naming it while new requests
-  go to the other, and stopping launch_server stops every child;
+- `launch_server --dp-size 2` (dp/controller.py): its /server_info lists both replicas, the other
+  endpoints of one server answer at its --port, requests through it are answered by both replicas
+  with one server's tokens and logprobs (native, streamed, OpenAI; a named rank by that replica),
+  a killed replica's stream ends with an error event naming it while new requests go to the other,
+  and stopping launch_server stops every child;
 - the router run by hand (`python -m sglang_router.launch_router --worker-urls`) in front of the same
   two replicas: both register, /generate (plain, streamed with logprobs) and the OpenAI endpoints pass
   through, and the worker endpoints the router calls (/health, /server_info, /model_info,
@@ -205,6 +206,20 @@ def test_dp_streamed_generate_with_logprobs(dp, expected):
 
 def test_dp_openai_endpoints(dp):
     openai_both_ways(dp.url, dp)
+
+
+def test_dp_the_endpoints_of_one_server_answer_at_the_front(dp):
+    assert requests.get(dp.url + "/ready", timeout=30).status_code == 200
+    assert requests.get(dp.url + "/health_generate", timeout=60).status_code == 200
+    assert requests.get(dp.url + "/model_info", timeout=30).json()["model_path"] == MODEL
+    loads = requests.get(dp.url + "/get_load", timeout=30).json()
+    assert [(e["dp_rank"], e["num_waiting_reqs"]) for e in loads] == [(0, 0), (1, 0)]
+    assert requests.get(dp.url + "/flush_cache", timeout=60).json()["workers_flushed"] == 2
+    metrics = requests.get(dp.url + "/metrics", timeout=30)
+    assert metrics.status_code == 200
+    for url in dp.replica_urls:  # every replica's counters, labelled with it
+        line = rf'^sglang_num_requests_total{{.*worker_addr="{re.escape(url)}"}} '
+        assert re.search(line, metrics.text, re.M)
 
 
 def test_dp_a_request_naming_its_rank_is_served_by_that_replica(dp, expected):

@@ -198,6 +198,24 @@ class DataParallelController:
                        "policy": self.router_args.policy},
         }
 
+    async def get_load(self) -> list[dict]:
+        """SGLang's /get_load under data parallelism: one entry per serving replica, dp_rank its
+        rank (each replica reports itself as rank 0 of 1)."""
+        ranks = [rank for rank in range(len(self.replicas)) if self.exit_of(rank) is None]
+        headers = {"Authorization": f"Bearer {self.server_args.api_key}"} if self.server_args.api_key else {}
+
+        async def fetch(session: aiohttp.ClientSession, rank: int) -> list[dict]:
+            try:
+                async with session.get(self.replica_urls[rank] + "/get_load", headers=headers) as r:
+                    entries = await r.json() if r.status == 200 else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return []
+            return [{**e, "dp_rank": rank} for e in entries]
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as session:
+            loads = await asyncio.gather(*(fetch(session, rank) for rank in ranks))
+        return [e for entries in loads for e in entries]
+
     # ------------------------------------------------------------------ serve
 
     async def _remove_from_router(self, session: aiohttp.ClientSession, rank: int) -> None:
@@ -267,7 +285,8 @@ class DataParallelController:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         app = make_front_app(self.router_url, self.server_info, self.stopped_replicas,
-                             self.server_args.api_key, self.serving_replica_url, len(self.replicas))
+                             self.server_args.api_key, self.serving_replica_url, len(self.replicas),
+                             self.get_load)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=FRONT_SHUTDOWN_S)
         await runner.setup()
         try:

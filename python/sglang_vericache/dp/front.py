@@ -1,9 +1,12 @@
 """The HTTP front of launch_server --dp-size on --host:--port.
 
 sglang-router answers /get_server_info itself (its own counts) and /server_info not at all, so the
-front serves both (every replica's state, controller.server_info) and passes every other request
-to the router on its loopback port as it came: method, path, query, headers, body; the router's
-answer comes back with its status and headers, event streams chunk by chunk.
+front serves both (every replica's state, controller.server_info) and /get_load (one entry per
+replica, as SGLang's DP server lists one per rank), and passes every other request to the router on
+its loopback port as it came: method, path, query, headers, body; the router's answer comes back
+with its status and headers, event streams chunk by chunk. Paths one server of ours has and the
+router names otherwise are renamed on the way (ROUTER_PATHS: /metrics is the router's
+/engine_metrics, every replica's metrics labelled with its worker_addr).
 
 A request that names its data-parallel rank (SGLang's `routed_dp_rank`, or its older name
 `data_parallel_rank`, on /generate and the OpenAI endpoints) goes to that replica directly, the
@@ -35,6 +38,13 @@ _NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-autho
                   "transfer-encoding", "upgrade", "host", "content-length"}
 DEATH_SETTLE_S = 0.5  # a stream broke: let the controller see the replica's exit before naming it
 RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+# (method, our path) -> (method, the router's path) where they differ.
+ROUTER_PATHS = {
+    ("GET", "/metrics"): ("GET", "/engine_metrics"),
+    ("GET", "/ready"): ("GET", "/readiness"),
+    ("GET", "/model_info"): ("GET", "/get_model_info"),
+    ("GET", "/flush_cache"): ("POST", "/flush_cache"),
+}
 RANKED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
@@ -72,10 +82,11 @@ def routed_rank(path: str, body: bytes) -> tuple[int | None, bytes]:
 
 def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str, Any]]],
                    stopped_replicas: Callable[[], list[str]], api_key: str | None,
-                   replica_url: Callable[[int], str | None] | None = None,
-                   dp_size: int = 1) -> web.Application:
+                   replica_url: Callable[[int], str | None] | None = None, dp_size: int = 1,
+                   get_load: Callable[[], Awaitable[list[dict]]] | None = None) -> web.Application:
     """server_info(): the /server_info body; stopped_replicas(): one line per replica that exited;
-    replica_url(rank): the URL of a serving replica, None for a stopped one."""
+    replica_url(rank): the URL of a serving replica, None for a stopped one; get_load(): the
+    /get_load body."""
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
@@ -95,6 +106,9 @@ def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str
     async def get_server_info(request: web.Request) -> web.Response:
         return web.json_response(await server_info())
 
+    async def get_load_handler(request: web.Request) -> web.Response:
+        return web.json_response(await get_load() if get_load else [])
+
     async def broken_stream_message(cause: Exception) -> str:
         await asyncio.sleep(DEATH_SETTLE_S)
         stopped = stopped_replicas()
@@ -104,7 +118,8 @@ def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str
 
     async def proxy(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        base = router_url
+        base, method, path = router_url, request.method, request.rel_url.raw_path
+        method, path = ROUTER_PATHS.get((method, path), (method, path))
         rank, body = routed_rank(request.path, body) if request.method == "POST" else (None, body)
         if rank is not None:
             if not 0 <= rank < dp_size:
@@ -114,10 +129,11 @@ def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str
             if base is None:
                 stopped = "; ".join(stopped_replicas())
                 return _error(f"data-parallel rank {rank} is not serving: {stopped}", 503)
-        url = base + request.rel_url.raw_path_qs
+        query = request.rel_url.raw_query_string
+        url = base + path + (f"?{query}" if query else "")
         session: aiohttp.ClientSession = request.app["session"]
         try:
-            upstream = await session.request(request.method, url, headers=_forwarded(request.headers),
+            upstream = await session.request(method, url, headers=_forwarded(request.headers),
                                              data=body or None, allow_redirects=False)
         except aiohttp.ClientError as e:
             return _error(f"the router at {router_url} did not answer: {type(e).__name__}: {e}", 502)
@@ -146,5 +162,6 @@ def make_front_app(router_url: str, server_info: Callable[[], Awaitable[dict[str
     app.on_cleanup.append(on_cleanup)
     app.router.add_get("/server_info", get_server_info)
     app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_load", get_load_handler)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
