@@ -28,15 +28,18 @@ def test_matches_f_linear(gen, dtype):
         torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)
 
 
-def test_rows_are_independent_of_the_number_of_rows(gen):
-    """M changes (1 to 50 rows, tiles partly masked); each row keeps its place in its tile. (On a GPU
-    tl.dot also computes a row alike at any place in a tile; the interpreter's numpy dot need not, so
-    that part is checked by benchmark/gpu/run_device_checks.py, not here.)"""
-    x = torch.randn(50, 40, generator=gen)
-    w = torch.randn(24, 40, generator=gen)
-    full = batch_invariant_linear(x, w, block=TILES)
-    for start, m in [(0, 1), (0, 2), (16, 17), (32, 16), (16, 30), (0, 50)]:
-        assert torch.equal(batch_invariant_linear(x[start : start + m], w, block=TILES), full[start : start + m])
+@pytest.mark.parametrize("block", [TILES, None], ids=["16x16x16", "default"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent_of_the_number_of_rows_and_their_place(gen, dtype, block):
+    """M changes (1 to 50 rows, tiles partly masked; by default the interpreter's BLOCK_M follows M)
+    and rows move within their tiles (starts 3, 7, 21: under the interpreter too, which sums per
+    element instead of numpy's dot)."""
+    x = torch.randn(50, 40, generator=gen).to(dtype)
+    w = torch.randn(24, 40, generator=gen).to(dtype)
+    full = batch_invariant_linear(x, w, block=block)
+    for start, m in [(0, 1), (0, 2), (16, 17), (32, 16), (16, 30), (0, 50), (3, 1), (7, 20), (21, 29)]:
+        assert torch.equal(batch_invariant_linear(x[start : start + m], w, block=block), full[start : start + m])
+    assert batch_invariant_linear(x[:0], w, block=block).shape == (0, 24)
 
 
 def test_bad_shapes_are_refused(gen):

@@ -1,0 +1,293 @@
+"""Batch-invariant attention for the triton backend under --enable-deterministic-inference.
+
++----------------------------------------------------------------------------------------------+
+| Invariant: query row t (one token, all its heads) attends to the first row_len[t] keys of     |
+| table row row_table[t]. Those keys are cut into fixed chunks of CHUNK keys at absolute key   |
+| positions [c*CHUNK, (c+1)*CHUNK); stage 1 reduces each chunk on its own (float32 max, exp,   |
+| sum and exp-weighted V, the G heads of one KV head in a fixed [BLOCK_H, CHUNK] tile, every   |
+| tile shape a constant of the model); stage 2 folds the chunk partials in chunk order, c = 0  |
+| first. Nothing depends on the number of rows, requests or splits, on where the row sits, or |
+| on the chunks computed in parallel: a row's bits are a function of (its query, its keys and  |
+| values, in order). So a TARGET_VERIFY row equals the DECODE row of the same position, an     |
+| EXTEND row equals both, and every path of the triton backend that uses this kernel (the     |
+| direct pool paths and the torch-path layouts: padded, ragged, staged, draft contexts) agrees |
+| bitwise.                                                                                     |
++----------------------------------------------------------------------------------------------+
+
+Not bitwise equal to the CPU kernel (cpu_attention.fixed_chunk_attention): that one sums q.k over d
+and the 64 exp-weights sequentially and takes libm's exp; a Triton tile reduces with tl.dot /
+tl.sum trees. The two agree to float32 rounding; a server uses one of them for every row.
+
+K/V are read as stored, converted to q's dtype (as a decode step reads --kv-cache-dtype) and then to
+float32; products are float32 (IEEE) in every dtype. Output: float32 [T, H, Dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext._common import block_h, is_interpreting
+
+CHUNK = 64  # keys per chunk (the CPU kernel's chunk)
+BLOCK_T = 16  # query rows of one request per program of the fused kernel
+MAX_PARTIAL_BYTES = 256 * 1024 * 1024  # split kernel: stage-1 partials of one launch
+
+# Device helpers: triton.jit on a GPU; plain functions under the interpreter, which re-patches
+# triton.language on every call of a jit helper (~2 ms each, most of a kernel's time there).
+_helper = (lambda fn: fn) if is_interpreting() else triton.jit
+
+
+@_helper
+def _chunk(qf, kv, vv, k_ok, has, USE_DOT: tl.constexpr):
+    """One chunk for the tile's rows: (max, sum of exp-weights, exp-weighted V sum, has a key).
+    Rows without a key in the chunk get (0, 0, 0, False). Every row's result is computed from its
+    own query and keys only: tl.dot on a GPU; under the interpreter (whose numpy dot rounds a row by
+    its place in the tile) broadcast products reduced per element."""
+    kf = kv.to(tl.float32)
+    vf = vv.to(tl.float32)
+    if USE_DOT:
+        s = tl.dot(qf, tl.trans(kf), input_precision="ieee")
+    else:
+        s = tl.sum(qf[:, None, :] * kf[None, :, :], axis=2)
+    s = tl.where(k_ok, s, float("-inf"))
+    m = tl.where(has, tl.max(s, axis=1), 0.0)
+    p = tl.exp(s - m[:, None])  # masked keys: exp(-inf) = 0
+    ll = tl.sum(p, axis=1)
+    if USE_DOT:
+        o = tl.dot(p, vf, input_precision="ieee")
+    else:
+        o = tl.sum(p[:, :, None] * vf[None, :, :], axis=1)
+    return m, ll, o, has
+
+
+@_helper
+def _fold(m, ll, acc, mc, lc, oc, has):
+    """Fold one chunk partial into a row's running (max, sum, output); rows without a key keep theirs."""
+    m_new = tl.maximum(m, mc)
+    alpha = tl.exp(m - m_new)  # 0 on a row's first chunk (m = -inf)
+    beta = tl.exp(mc - m_new)
+    ll_new = ll * alpha + lc * beta
+    acc_new = acc * alpha[:, None] + oc * beta[:, None]
+    return tl.where(has, m_new, m), tl.where(has, ll_new, ll), tl.where(has[:, None], acc_new, acc)
+
+
+@_helper
+def _finish(ll, acc):
+    return tl.where(ll[:, None] > 0, acc / tl.maximum(ll, 1e-30)[:, None], 0.0)  # no key: zeros
+
+
+@_helper
+def _tile(q, row_table, row_len, t0, nrows, hk, sm_scale, stride_qt, stride_qh,
+          G: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile row r = (query row t0 + r // BLOCK_H, head hk * G + r % BLOCK_H): its scaled query,
+    its visible key count, whether it is real, and the table row the tile reads."""
+    r = tl.arange(0, ROWS * BLOCK_H)
+    ti = r // BLOCK_H
+    hh = r % BLOCK_H
+    ok = (ti < nrows) & (hh < G)
+    od = tl.arange(0, BLOCK_D)
+    qv = tl.load(q + (t0 + ti)[:, None] * stride_qt + (hk * G + hh)[:, None] * stride_qh + od[None, :],
+                 mask=ok[:, None] & (od[None, :] < D), other=0.0)
+    n = tl.load(row_len + t0 + ti, mask=ok, other=0).to(tl.int32)
+    return qv.to(tl.float32) * sm_scale, n, ok, tl.load(row_table + t0).to(tl.int64)
+
+
+@_helper
+def _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn, stride_vh, stride_tab,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CHUNK: tl.constexpr, limit):
+    """Keys [c*CHUNK, c*CHUNK + CHUNK) of table row trow (those < limit), read in q's dtype."""
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    in_row = offs < limit
+    slot = tl.load(table + trow * stride_tab + offs, mask=in_row, other=0).to(tl.int64)
+    od = tl.arange(0, BLOCK_D)
+    odv = tl.arange(0, BLOCK_DV)
+    kv = tl.load(k_buf + slot[:, None] * stride_kn + hk * stride_kh + od[None, :],
+                 mask=in_row[:, None] & (od[None, :] < D), other=0.0)
+    vv = tl.load(v_buf + slot[:, None] * stride_vn + hk * stride_vh + odv[None, :],
+                 mask=in_row[:, None] & (odv[None, :] < DV), other=0.0)
+    return offs, kv.to(q.dtype.element_ty), vv.to(q.dtype.element_ty)
+
+
+@triton.jit
+def _fused_kernel(
+    q, k_buf, v_buf, table, row_table, row_len, block_start, block_rows, out, sm_scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tab, stride_yt, stride_yh,
+    G: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    """One program = up to ROWS query rows of one request x the G heads of KV head hk, over all
+    their chunks in order."""
+    blk = tl.program_id(0)
+    hk = tl.program_id(1)
+    t0 = tl.load(block_start + blk).to(tl.int32)
+    nrows = tl.load(block_rows + blk).to(tl.int32)
+    qf, n, ok, trow = _tile(q, row_table, row_len, t0, nrows, hk, sm_scale, stride_qt, stride_qh,
+                            G, BLOCK_H, ROWS, D, BLOCK_D)
+    limit = tl.max(n, axis=0)
+    m = tl.full([ROWS * BLOCK_H], float("-inf"), tl.float32)
+    ll = tl.zeros([ROWS * BLOCK_H], tl.float32)
+    acc = tl.zeros([ROWS * BLOCK_H, BLOCK_DV], tl.float32)
+    for c in range(0, tl.cdiv(limit, CHUNK)):
+        offs, kv, vv = _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn,
+                                   stride_vh, stride_tab, D, DV, BLOCK_D, BLOCK_DV, CHUNK, limit)
+        mc, lc, oc, has = _chunk(qf, kv, vv, offs[None, :] < n[:, None], c * CHUNK < n, USE_DOT)
+        m, ll, acc = _fold(m, ll, acc, mc, lc, oc, has)
+    r = tl.arange(0, ROWS * BLOCK_H)
+    odv = tl.arange(0, BLOCK_DV)
+    dst = out + (t0 + r // BLOCK_H)[:, None] * stride_yt + (hk * G + r % BLOCK_H)[:, None] * stride_yh
+    tl.store(dst + odv[None, :], _finish(ll, acc), mask=ok[:, None] & (odv[None, :] < DV))
+
+
+@triton.jit
+def _split_kernel(
+    q, k_buf, v_buf, table, row_table, row_len, part_o, part_ml, sm_scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tab,
+    stride_ot, stride_oh, stride_oc, stride_mt, stride_mh, stride_mc,
+    G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    """Stage 1 of the split form: one program = one query row's G heads x one chunk."""
+    t = tl.program_id(0)
+    hk = tl.program_id(1)
+    c = tl.program_id(2)
+    qf, n, ok, trow = _tile(q, row_table, row_len, t, 1, hk, sm_scale, stride_qt, stride_qh,
+                            G, BLOCK_H, 1, D, BLOCK_D)
+    limit = tl.max(n, axis=0)
+    if c * CHUNK < limit:
+        offs, kv, vv = _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn,
+                                   stride_vh, stride_tab, D, DV, BLOCK_D, BLOCK_DV, CHUNK, limit)
+        mc, lc, oc, has = _chunk(qf, kv, vv, offs[None, :] < n[:, None], c * CHUNK < n, USE_DOT)
+        hh = tl.arange(0, BLOCK_H)
+        odv = tl.arange(0, BLOCK_DV)
+        heads = hk * G + hh
+        tl.store(part_o + t * stride_ot + heads[:, None] * stride_oh + c * stride_oc + odv[None, :], oc,
+                 mask=ok[:, None] & (odv[None, :] < DV))
+        ml = part_ml + t * stride_mt + heads * stride_mh + c * stride_mc
+        tl.store(ml, mc, mask=ok)
+        tl.store(ml + 1, lc, mask=ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_o, part_ml, row_len, out,
+    stride_ot, stride_oh, stride_oc, stride_mt, stride_mh, stride_mc, stride_yt, stride_yh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Stage 2 of the split form: one program = one (query row, head), its chunks folded in order."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(row_len + t).to(tl.int32)
+    odv = tl.arange(0, BLOCK_DV)
+    d_ok = odv < DV
+    m = tl.full([1], float("-inf"), tl.float32)
+    ll = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_DV], tl.float32)
+    has = tl.full([1], 1, tl.int1)
+    for c in range(0, tl.cdiv(n, CHUNK)):
+        ml = part_ml + t * stride_mt + h * stride_mh + c * stride_mc
+        mc = tl.load(ml + tl.zeros([1], tl.int32))
+        lc = tl.load(ml + 1 + tl.zeros([1], tl.int32))
+        oc = tl.load(part_o + t * stride_ot + h * stride_oh + c * stride_oc + odv[None, :], mask=d_ok[None, :],
+                     other=0.0)
+        m, ll, acc = _fold(m, ll, acc, mc, lc, oc, has)
+    tl.store(out + t * stride_yt + h * stride_yh + odv[None, :], _finish(ll, acc), mask=d_ok[None, :])
+
+
+def _use_dot() -> bool:
+    return not is_interpreting()
+
+
+def fixed_split_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_buffer: torch.Tensor,  # [N, Hkv, D]
+    v_buffer: torch.Tensor,  # [N, Hkv, Dv]
+    table: torch.Tensor,  # [R, S] int: slot of each key position (req_to_token, or a context index)
+    row_table: torch.Tensor,  # [T] int: the table row query row t reads
+    row_len: torch.Tensor,  # [T] int: query row t sees keys [0, row_len[t]) of its table row
+    sm_scale: float,
+    rows_per_request: list[int] | None = None,  # runs of consecutive rows sharing a table row (None: 1 each)
+    split: bool = False,  # chunks in parallel, then a merge (decode rows on a GPU); same bits either way
+) -> torch.Tensor:
+    """-> float32 [T, H, Dv] (see the module docstring for what is invariant)."""
+    t, h, d = q.shape
+    hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
+    if k_buffer.shape[2] != d or h % hkv or v_buffer.shape[1] != hkv:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}: "
+                         "head dims or KV heads disagree")
+    if row_table.shape != (t,) or row_len.shape != (t,):
+        raise ValueError(f"row_table / row_len must be [{t}], got {tuple(row_table.shape)} / {tuple(row_len.shape)}")
+    if rows_per_request is not None and sum(rows_per_request) != t:
+        raise ValueError(f"rows_per_request sums to {sum(rows_per_request)}, q has {t} rows")
+    out = torch.empty((t, h, dv), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out
+    g = h // hkv
+    q, table, row_table, row_len = q.contiguous(), table.contiguous(), row_table.contiguous(), row_len.contiguous()
+    common = (k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), table.stride(0))
+    # Tile heights: on a GPU >= 16 rows (tl.dot's minimum); a row's bits do not depend on them (both
+    # reductions are per element: a float32 IEEE tl.dot walks K in order for each element).
+    bh = triton.next_power_of_2(g) if is_interpreting() else block_h(g)
+    shapes = dict(G=g, BLOCK_H=bh, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
+                  BLOCK_DV=triton.next_power_of_2(dv), CHUNK=CHUNK, enable_fp_fusion=False)
+    if not split:
+        starts, rows = [], []
+        t0, runs = 0, rows_per_request or [1] * t
+        tile_rows = 1 if max(runs) == 1 else BLOCK_T
+        for n in runs:
+            for b0 in range(0, n, tile_rows):
+                starts.append(t0 + b0)
+                rows.append(min(tile_rows, n - b0))
+            t0 += n
+        blocks = torch.tensor([starts, rows], dtype=torch.int32).to(q.device)
+        _fused_kernel[(len(starts), hkv)](
+            q, k_buffer, v_buffer, table, row_table, row_len, blocks[0], blocks[1], out, float(sm_scale),
+            q.stride(0), q.stride(1), *common, out.stride(0), out.stride(1),
+            ROWS=tile_rows, USE_DOT=_use_dot(), **shapes)
+        return out
+    chunks = max(1, triton.cdiv(int(row_len.max()), CHUNK))
+    rows_per_launch = max(1, MAX_PARTIAL_BYTES // (h * chunks * (dv + 2) * 4))
+    for t0 in range(0, t, rows_per_launch):
+        t1 = min(t, t0 + rows_per_launch)
+        part_o = torch.empty((t1 - t0, h, chunks, dv), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((t1 - t0, h, chunks, 2), dtype=torch.float32, device=q.device)
+        qs, ys, lens = q[t0:t1], out[t0:t1], row_len[t0:t1]
+        _split_kernel[(t1 - t0, hkv, chunks)](
+            qs, k_buffer, v_buffer, table, row_table[t0:t1], lens, part_o, part_ml, float(sm_scale),
+            qs.stride(0), qs.stride(1), *common, *part_o.stride()[:3], *part_ml.stride()[:3],
+            USE_DOT=_use_dot(), **shapes)
+        _merge_kernel[(t1 - t0, h)](
+            part_o, part_ml, lens, ys, *part_o.stride()[:3], *part_ml.stride()[:3], ys.stride(0), ys.stride(1),
+            DV=dv, BLOCK_DV=shapes["BLOCK_DV"], CHUNK=CHUNK, enable_fp_fusion=False)
+    return out
+
+
+def compact_rows(index: torch.Tensor, allowed: torch.Tensor | None, q_len: int):
+    """(index [B, S], allowed [B, Lq, S] | None) -> (table, row_table, row_len) for
+    fixed_split_attention: each request's visible columns moved to the front in order, and each
+    query row's visible keys, which must then be a prefix of them (causal, padded and draft-context
+    masks are; anything else is refused rather than chunked at other positions)."""
+    b, s = index.shape
+    dev = index.device
+    row_table = torch.arange(b, device=dev).repeat_interleave(q_len)
+    if allowed is None:
+        return index, row_table, torch.full((b * q_len,), s, dtype=torch.int64, device=dev)
+    union = allowed.any(1)  # [B, S]
+    order = torch.argsort((~union).to(torch.int8), dim=1, stable=True)
+    table = index.gather(1, order)
+    visible = allowed.gather(2, order[:, None, :].expand(b, q_len, s))
+    row_len = visible.sum(-1)  # [B, Lq]
+    if not torch.equal(visible, torch.arange(s, device=dev) < row_len[..., None]):
+        raise ValueError("fixed_split_attention: a query row's visible keys are not a prefix of its request's")
+    return table, row_table, row_len.reshape(-1)
+
+
+def fixed_split_attention_masked(q, k_src, v_src, index, allowed, scale) -> torch.Tensor:
+    """cpu_attention.fixed_chunk_attention's interface (q [B, Lq, H, D], index [B, S], allowed
+    [B, Lq, S] | None) on this kernel -> float32 [B, Lq, H, Dv]; the torch-path layouts use it."""
+    b, lq, h, d = q.shape
+    table, row_table, row_len = compact_rows(index, allowed, lq)
+    out = fixed_split_attention(q.reshape(b * lq, h, d), k_src, v_src, table, row_table, row_len, scale, [lq] * b)
+    return out.view(b, lq, h, -1)
