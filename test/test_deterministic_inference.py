@@ -149,8 +149,11 @@ def test_vericache_is_deterministic_by_default_and_full_mode_on_request():
     assert ServerArgs(kv_compressor="snapkv").enable_deterministic_inference
     assert not ServerArgs(kv_compressor="snapkv", enable_deterministic_inference=False).enable_deterministic_inference
     assert ServerArgs(disagg_role="verifier", disagg_port=31999).enable_deterministic_inference
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        ServerArgs(enable_deterministic_inference=True, attention_backend="triton")
+    with pytest.raises(ValueError, match="not available with --attention-backend flashinfer"):
+        ServerArgs(enable_deterministic_inference=True, attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="on CUDA needs --attention-backend triton"):
+        ServerArgs(enable_deterministic_inference=True, device="cuda")
+    assert ServerArgs(enable_deterministic_inference=True, attention_backend="triton").enable_deterministic_inference
 
 
 def test_server_info_says_whether_it_is_on(checkpoints):

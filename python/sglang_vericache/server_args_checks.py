@@ -116,12 +116,8 @@ class ServerArgsChecks:
         if self.vericache_schedule not in ("adaptive", "auto", "lockstep", "staggered"):
             raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
                              f"{self.vericache_schedule!r}")
-        if self.enable_deterministic_inference and self.device.startswith("cuda"):
-            raise ValueError("--enable-deterministic-inference runs on the CPU only so far (its batch-invariant "
-                             "attention is a CPU kernel); drop the flag on CUDA")
-        if self.enable_deterministic_inference and self.attention_backend != "torch":
-            raise ValueError("--enable-deterministic-inference needs --attention-backend torch (the "
-                             f"{self.attention_backend} backend's kernels are not batch-invariant)")
+        if self.enable_deterministic_inference:
+            self.validate_deterministic_backend()
         if self.verify_staging_tokens < 1:
             raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
         if self.kv_offload and self.kv_mode != "full":
@@ -165,6 +161,19 @@ class ServerArgsChecks:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
+
+    def validate_deterministic_backend(self) -> None:
+        """--enable-deterministic-inference runs on the torch backend (CPU: the C++ fixed-chunk kernel)
+        and the triton backend (CUDA, or a CPU under TRITON_INTERPRET=1: Triton fixed-split attention
+        and batch-invariant matmul); not on flashinfer."""
+        backend, cuda = self.attention_backend, self.device.startswith("cuda")
+        if backend == "flashinfer":
+            raise ValueError("--enable-deterministic-inference is not available with --attention-backend flashinfer "
+                             "(its prefill and decode kernels reduce keys in different orders, so a verify row "
+                             "would not equal the decode row); use --attention-backend triton")
+        if backend == "torch" and cuda:
+            raise ValueError("--enable-deterministic-inference on CUDA needs --attention-backend triton (the torch "
+                             "backend's batch-invariant attention is a CPU kernel)")
 
     def validate_chat_template(self) -> None:
         """--chat-template must be a readable Jinja file: checked at launch, not on the first chat."""

@@ -162,8 +162,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "shares its batch (fixed-block matrix products, attention reduced in fixed chunks of keys), "
              "so a prompt's output (tokens and logprobs) is the same alone or under load, chunked or "
              "not, cache hit or miss, and VeriCache / lossy output equals deterministic full mode's "
-             "bitwise in every dtype. Default: on with --kv-compressor (VeriCache and lossy modes) on "
-             "a CPU, off in full mode; --no-enable-deterministic-inference turns it off.")
+             "bitwise in every dtype. Backends: torch (CPU) and triton (CUDA, or a CPU under "
+             "TRITON_INTERPRET=1: Triton matmul and fixed-split attention; no CUDA graphs), not flashinfer. "
+             "Default: on with --kv-compressor (VeriCache and lossy modes) with the torch backend on a CPU, "
+             "off otherwise; --no-enable-deterministic-inference turns it off.")
     add("--attention-backend", type=str, default=d["attention_backend"].default,
         help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
              "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")

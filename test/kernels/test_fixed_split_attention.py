@@ -22,10 +22,10 @@ def _rows(rpi, positions):
     return row_table, torch.cat([torch.tensor(p) + 1 for p in positions])
 
 
-def _attend(q, k, v, r2t, rpi, positions, split=False, runs=True):
+def _attend(q, k, v, r2t, rpi, positions, form=None, runs=True):
     row_table, row_len = _rows(rpi, positions)
     dev = to_device(q, k, v, r2t, row_table, row_len)
-    out = fixed_split_attention(*dev, SCALE, [len(p) for p in positions] if runs else None, split)
+    out = fixed_split_attention(*dev, SCALE, [len(p) for p in positions] if runs else None, form)
     return out.cpu()
 
 
@@ -50,16 +50,21 @@ def test_prefill_rows_match_the_float32_reference(inputs):
 
 def test_verify_rows_equal_decode_rows_alone_or_batched(inputs):
     """Request 0's rows at positions 61..66 (across the chunk boundary at 64): as one verify run, as
-    decode rows one per call, batched after request 1's verify rows, and in the split form."""
+    decode rows one per call, batched after request 1's verify rows; in the three forms of the kernel
+    (gather: the interpreter's default; fused: a GPU's; split: a GPU's decode)."""
     _, q, k, v, r2t, rpi = inputs
     pos = list(range(61, 67))
     verify = _attend(q[61:67], k, v, r2t, rpi[:1], [pos])
-    for i, p in enumerate(pos):
+    assert torch.equal(_attend(q[61:67], k, v, r2t, rpi[:1], [pos], form="fused"), verify)
+    for i, p in enumerate(pos[1:4], 1):
         assert torch.equal(_attend(q[p : p + 1], k, v, r2t, rpi[:1], [[p]], runs=False)[0], verify[i]), p
     other = torch.randn((5, 4, 16), generator=torch.Generator().manual_seed(1)).to(q.dtype)
     batched = _attend(torch.cat([other, q[61:67]]), k, v, r2t, rpi.flip(0), [list(range(35, 40)), pos])
     assert torch.equal(batched[5:], verify)
-    decode_batch = _attend(q[[149, 63, 64]], k, v, r2t, rpi[[0, 0, 0]], [[149], [63], [64]], split=True, runs=False)
+    fused = _attend(torch.cat([other, q[61:67]]), k, v, r2t, rpi.flip(0), [list(range(35, 40)), pos], "fused")
+    assert torch.equal(fused[5:], verify)
+    decode_batch = _attend(q[[149, 63, 64]], k, v, r2t, rpi[[0, 0, 0]], [[149], [63], [64]], form="split",
+                           runs=False)
     assert torch.equal(decode_batch[1:], verify[2:4])
     prefill = _attend(q, k, v, r2t, rpi[:1], [list(range(150))])
     assert torch.equal(prefill[61:67], verify) and torch.equal(decode_batch[0], prefill[149])
@@ -116,7 +121,7 @@ def test_verify_rows_equal_decode_rows_on_gpu_at_8b_shape(dtype):
     q = torch.randn((40, 32, 128), generator=gen).to(dtype)
     pos = list(range(2960, 3000))
     verify = _attend(q, k, v, r2t, rpi[:1], [pos])
-    decode = _attend(q, k, v, r2t, rpi[[0] * 40], [[p] for p in pos], split=True, runs=False)
+    decode = _attend(q, k, v, r2t, rpi[[0] * 40], [[p] for p in pos], form="split", runs=False)
     assert torch.equal(verify, decode)
     batched = _attend(torch.cat([q[:7], q]), k, v, r2t, rpi[[1, 0]], [list(range(693, 700)), pos])
     assert torch.equal(batched[7:], verify)

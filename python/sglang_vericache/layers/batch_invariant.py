@@ -16,7 +16,11 @@ VeriCache verify pass.
 - Element-wise ops: torch's vectorized loops finish each thread's range with scalar code, and
   float32 silu's scalar and vector paths differ in ~4% of inputs (exp does not); `silu_and_mul`
   uses x / (1 + exp(-x)) in float32.
-- Attention: sgl_kernel_ext.cpu_attention (fixed chunks of visible keys, float32 statistics).
+  With the triton backend (`enable_batch_invariance(model, "triton")`) every linear layer is
+  sgl_kernel_ext.batch_invariant_matmul instead (TRITON_MODE): fixed tiles, one in-order pass over K,
+  invariant by construction, so nothing is probed.
+- Attention: sgl_kernel_ext.cpu_attention (fixed chunks of visible keys, float32 statistics); with the
+  triton backend sgl_kernel_ext.fixed_split_attention (the same chunking, as Triton tiles).
 - Norms, softmax, log_softmax and the sampler already work per row (checked in the tests).
 """
 
@@ -39,11 +43,16 @@ logger = logging.getLogger(__name__)
 MODES = (("plain", 1), ("padded", 4), ("padded", 8), ("padded", 16), ("blocked", 16))
 PROBE_ROWS = (*range(1, 41), 47, 64, 65, 100, 127, 128, 200, 255, 256, 333, 511, 512)  # row counts probed
 MAX_CALL_ROWS = 512  # larger inputs are computed in calls of this many rows (within the probed sizes)
+TRITON_MODE = ("triton", 0)  # sgl_kernel_ext.batch_invariant_matmul (the triton backend's linear mode)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str, int]) -> torch.Tensor:
     """F.linear with every row computed as a row of a block of mode[1] rows (see module docstring)."""
     kind, block = mode
+    if kind == "triton":
+        from sgl_kernel_ext.batch_invariant_matmul import batch_invariant_linear
+
+        return batch_invariant_linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
@@ -144,12 +153,13 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
     )
 
 
-def enable_batch_invariance(model: torch.nn.Module) -> tuple[str, int]:
-    """Switch the model's linear layers and activations to batch-invariant arithmetic; -> the linear mode."""
+def enable_batch_invariance(model: torch.nn.Module, attention_backend: str = "torch") -> tuple[str, int]:
+    """Switch the model's linear layers and activations to batch-invariant arithmetic; -> the linear
+    mode (TRITON_MODE with the triton backend, else the probe's choice)."""
     from sglang_vericache.layers.activation import SiluAndMul
     from sglang_vericache.layers.linear import Linear
 
-    mode = choose_linear_mode(model)
+    mode = TRITON_MODE if attention_backend == "triton" else choose_linear_mode(model)
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.batch_invariant_mode = mode

@@ -225,8 +225,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
                 "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
                 "grammar_backend": "xgrammar" if self.grammar_backend is not None else None,
                 "enable_deterministic_inference": bool(self.server_args.enable_deterministic_inference),
-                "batch_invariant_linear": "%s x%d" % self.model_runner.batch_invariant_mode
-                if self.model_runner.batch_invariant_mode else None,
+                "batch_invariant_linear": self.model_runner.batch_invariant_linear_name(),
                 **self.tier_info(),
             },
         )

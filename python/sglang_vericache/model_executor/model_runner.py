@@ -46,15 +46,28 @@ class ModelRunner:
         if not self.server_args.enable_deterministic_inference:
             logger.info("deterministic inference: off (outputs may differ in the last bits with batch composition)")
             return None
-        from sgl_kernel_ext import cpu_attention
-
         from sglang_vericache.layers.batch_invariant import enable_batch_invariance
+
+        backend = self.server_args.attention_backend
+        if backend == "triton":  # Triton kernels: batch_invariant_matmul and fixed_split_attention
+            mode = enable_batch_invariance(self.model, backend)
+            logger.info("deterministic inference: on (triton backend: batch-invariant Triton matmul; "
+                        "fixed-split attention, chunks of 64 keys)")
+            return mode
+        from sgl_kernel_ext import cpu_attention
 
         cpu_attention.load()
         mode = enable_batch_invariance(self.model)
         logger.info("deterministic inference: on (matrix products: %s, %d-row blocks; fixed-chunk attention)",
                     *mode)
         return mode
+
+    def batch_invariant_linear_name(self) -> str | None:
+        """/server_info's name for the linear mode: "padded x4", "triton" (batch_invariant_matmul), or None."""
+        mode = self.batch_invariant_mode
+        if mode is None:
+            return None
+        return mode[0] if mode[0] == "triton" else "%s x%d" % mode
 
     def init_memory_pool(self) -> None:
         cfg, args, ps = self.model_config, self.server_args, self.page_size
@@ -106,6 +119,10 @@ class ModelRunner:
         if args.attention_backend != "triton":
             logger.info("CUDA graphs: captured with --attention-backend triton only; %s runs eagerly",
                         args.attention_backend)
+            return None
+        if args.enable_deterministic_inference:
+            logger.info("CUDA graphs: not captured under --enable-deterministic-inference (its attention "
+                        "plans per forward); decode runs eagerly")
             return None
         return CudaGraphRunner(self)
 

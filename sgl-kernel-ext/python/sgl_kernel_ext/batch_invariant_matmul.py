@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext._common import is_interpreting
+from sgl_kernel_ext._common import is_interpreting, row_sum
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
@@ -48,7 +48,7 @@ def _matmul_kernel(
         if USE_DOT:
             acc += tl.dot(a, b, input_precision="ieee")
         else:  # the interpreter: products summed per element over k in order (numpy's dot is not)
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+            acc += row_sum(a[:, :, None] * b[None, :, :], 1)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y.dtype.element_ty),
@@ -58,7 +58,7 @@ def _matmul_kernel(
 def interpreter_block(m: int, n: int, k: int) -> tuple[int, int, int]:
     """Tiles under the interpreter, few programs (each op costs ~1 ms there): its per-element sums make
     a row's bits independent of BLOCK_M and BLOCK_N; BLOCK_K (the sum's grouping) depends on K alone."""
-    return min(64, triton.next_power_of_2(m)), min(256, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k))
+    return min(64, triton.next_power_of_2(m)), min(2048, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k))
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

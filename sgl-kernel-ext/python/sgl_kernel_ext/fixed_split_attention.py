@@ -28,41 +28,43 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext._common import block_h, is_interpreting
+from sgl_kernel_ext._common import block_h, ceil_div, interp_helper, is_interpreting, row_max, row_sum
 
 CHUNK = 64  # keys per chunk (the CPU kernel's chunk)
 BLOCK_T = 16  # query rows of one request per program of the fused kernel
 MAX_PARTIAL_BYTES = 256 * 1024 * 1024  # split kernel: stage-1 partials of one launch
-
-# Device helpers: triton.jit on a GPU; plain functions under the interpreter, which re-patches
-# triton.language on every call of a jit helper (~2 ms each, most of a kernel's time there).
-_helper = (lambda fn: fn) if is_interpreting() else triton.jit
+GATHER_ELEMENTS = 1 << 20  # gather kernel: elements of its largest temporary ([rows, CHUNK, D])
+FORMS = ("fused", "split", "gather")
 
 
-@_helper
-def _chunk(qf, kv, vv, k_ok, has, USE_DOT: tl.constexpr):
+@interp_helper
+def _chunk(qf, kv, vv, k_ok, has, USE_DOT: tl.constexpr, PER_ROW: tl.constexpr = False):
     """One chunk for the tile's rows: (max, sum of exp-weights, exp-weighted V sum, has a key).
     Rows without a key in the chunk get (0, 0, 0, False). Every row's result is computed from its
     own query and keys only: tl.dot on a GPU; under the interpreter (whose numpy dot rounds a row by
-    its place in the tile) broadcast products reduced per element."""
+    its place in the tile) broadcast products reduced per element. kv / vv: [CHUNK, D] shared by the
+    tile, or [rows, CHUNK, D] (PER_ROW: each row its own keys; the same per-element sums)."""
     kf = kv.to(tl.float32)
     vf = vv.to(tl.float32)
+    if not PER_ROW:
+        kf = kf[None, :, :]
+        vf = vf[None, :, :]
     if USE_DOT:
-        s = tl.dot(qf, tl.trans(kf), input_precision="ieee")
+        s = tl.dot(qf, tl.trans(kv.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.sum(qf[:, None, :] * kf[None, :, :], axis=2)
+        s = row_sum(qf[:, None, :] * kf, 2)
     s = tl.where(k_ok, s, float("-inf"))
-    m = tl.where(has, tl.max(s, axis=1), 0.0)
+    m = tl.where(has, row_max(s, 1), 0.0)
     p = tl.exp(s - m[:, None])  # masked keys: exp(-inf) = 0
-    ll = tl.sum(p, axis=1)
+    ll = row_sum(p, 1)
     if USE_DOT:
-        o = tl.dot(p, vf, input_precision="ieee")
+        o = tl.dot(p, vv.to(tl.float32), input_precision="ieee")
     else:
-        o = tl.sum(p[:, :, None] * vf[None, :, :], axis=1)
+        o = row_sum(p[:, :, None] * vf, 1)
     return m, ll, o, has
 
 
-@_helper
+@interp_helper
 def _fold(m, ll, acc, mc, lc, oc, has):
     """Fold one chunk partial into a row's running (max, sum, output); rows without a key keep theirs."""
     m_new = tl.maximum(m, mc)
@@ -73,12 +75,12 @@ def _fold(m, ll, acc, mc, lc, oc, has):
     return tl.where(has, m_new, m), tl.where(has, ll_new, ll), tl.where(has[:, None], acc_new, acc)
 
 
-@_helper
+@interp_helper
 def _finish(ll, acc):
     return tl.where(ll[:, None] > 0, acc / tl.maximum(ll, 1e-30)[:, None], 0.0)  # no key: zeros
 
 
-@_helper
+@interp_helper
 def _tile(q, row_table, row_len, t0, nrows, hk, sm_scale, stride_qt, stride_qh,
           G: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile row r = (query row t0 + r // BLOCK_H, head hk * G + r % BLOCK_H): its scaled query,
@@ -94,7 +96,7 @@ def _tile(q, row_table, row_len, t0, nrows, hk, sm_scale, stride_qt, stride_qh,
     return qv.to(tl.float32) * sm_scale, n, ok, tl.load(row_table + t0).to(tl.int64)
 
 
-@_helper
+@interp_helper
 def _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn, stride_vh, stride_tab,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CHUNK: tl.constexpr, limit):
@@ -126,11 +128,11 @@ def _fused_kernel(
     nrows = tl.load(block_rows + blk).to(tl.int32)
     qf, n, ok, trow = _tile(q, row_table, row_len, t0, nrows, hk, sm_scale, stride_qt, stride_qh,
                             G, BLOCK_H, ROWS, D, BLOCK_D)
-    limit = tl.max(n, axis=0)
+    limit = row_max(n, 0)
     m = tl.full([ROWS * BLOCK_H], float("-inf"), tl.float32)
     ll = tl.zeros([ROWS * BLOCK_H], tl.float32)
     acc = tl.zeros([ROWS * BLOCK_H, BLOCK_DV], tl.float32)
-    for c in range(0, tl.cdiv(limit, CHUNK)):
+    for c in range(0, ceil_div(limit, CHUNK)):
         offs, kv, vv = _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn,
                                    stride_vh, stride_tab, D, DV, BLOCK_D, BLOCK_DV, CHUNK, limit)
         mc, lc, oc, has = _chunk(qf, kv, vv, offs[None, :] < n[:, None], c * CHUNK < n, USE_DOT)
@@ -139,6 +141,48 @@ def _fused_kernel(
     odv = tl.arange(0, BLOCK_DV)
     dst = out + (t0 + r // BLOCK_H)[:, None] * stride_yt + (hk * G + r % BLOCK_H)[:, None] * stride_yh
     tl.store(dst + odv[None, :], _finish(ll, acc), mask=ok[:, None] & (odv[None, :] < DV))
+
+
+@triton.jit
+def _gather_kernel(
+    q, k_buf, v_buf, table, row_table, row_len, out, T, sm_scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tab, stride_yt, stride_yh,
+    H: tl.constexpr, G: tl.constexpr, BLOCK_HQ: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The interpreter's form (few programs: each op there costs ~1 ms): one program = ROWS query rows
+    of any requests x all heads, every tile row gathering its own keys ([rows, CHUNK, D] loads). The
+    same per-element arithmetic as _fused_kernel's sum path, so the same bits (tested)."""
+    r = tl.arange(0, ROWS * BLOCK_HQ)
+    t = tl.program_id(0) * ROWS + r // BLOCK_HQ
+    h = r % BLOCK_HQ
+    ok = (t < T) & (h < H)
+    hk = h // G
+    od = tl.arange(0, BLOCK_D)
+    odv = tl.arange(0, BLOCK_DV)
+    qv = tl.load(q + t[:, None] * stride_qt + h[:, None] * stride_qh + od[None, :],
+                 mask=ok[:, None] & (od[None, :] < D), other=0.0)
+    qf = qv.to(tl.float32) * sm_scale
+    n = tl.load(row_len + t, mask=ok, other=0).to(tl.int32)
+    trow = tl.load(row_table + t, mask=ok, other=0).to(tl.int64)
+    limit = row_max(n, 0)
+    m = tl.full([ROWS * BLOCK_HQ], float("-inf"), tl.float32)
+    ll = tl.zeros([ROWS * BLOCK_HQ], tl.float32)
+    acc = tl.zeros([ROWS * BLOCK_HQ, BLOCK_DV], tl.float32)
+    for c in range(0, ceil_div(limit, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        k_ok = offs[None, :] < n[:, None]  # [rows, CHUNK]
+        slot = tl.load(table + trow[:, None] * stride_tab + offs[None, :], mask=k_ok, other=0).to(tl.int64)
+        base = slot[:, :, None] * stride_kn + hk[:, None, None] * stride_kh
+        kv = tl.load(k_buf + base + od[None, None, :], mask=k_ok[:, :, None] & (od[None, None, :] < D), other=0.0)
+        vbase = slot[:, :, None] * stride_vn + hk[:, None, None] * stride_vh
+        vv = tl.load(v_buf + vbase + odv[None, None, :], mask=k_ok[:, :, None] & (odv[None, None, :] < DV),
+                     other=0.0)
+        mc, lc, oc, has = _chunk(qf, kv.to(q.dtype.element_ty), vv.to(q.dtype.element_ty), k_ok, c * CHUNK < n,
+                                 False, True)
+        m, ll, acc = _fold(m, ll, acc, mc, lc, oc, has)
+    dst = out + t[:, None] * stride_yt + h[:, None] * stride_yh + odv[None, :]
+    tl.store(dst, _finish(ll, acc), mask=ok[:, None] & (odv[None, :] < DV))
 
 
 @triton.jit
@@ -155,7 +199,7 @@ def _split_kernel(
     c = tl.program_id(2)
     qf, n, ok, trow = _tile(q, row_table, row_len, t, 1, hk, sm_scale, stride_qt, stride_qh,
                             G, BLOCK_H, 1, D, BLOCK_D)
-    limit = tl.max(n, axis=0)
+    limit = row_max(n, 0)
     if c * CHUNK < limit:
         offs, kv, vv = _load_chunk(q, k_buf, v_buf, table, trow, c, hk, stride_kn, stride_kh, stride_vn,
                                    stride_vh, stride_tab, D, DV, BLOCK_D, BLOCK_DV, CHUNK, limit)
@@ -186,7 +230,7 @@ def _merge_kernel(
     ll = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, BLOCK_DV], tl.float32)
     has = tl.full([1], 1, tl.int1)
-    for c in range(0, tl.cdiv(n, CHUNK)):
+    for c in range(0, ceil_div(n, CHUNK)):
         ml = part_ml + t * stride_mt + h * stride_mh + c * stride_mc
         mc = tl.load(ml + tl.zeros([1], tl.int32))
         lc = tl.load(ml + 1 + tl.zeros([1], tl.int32))
@@ -209,9 +253,15 @@ def fixed_split_attention(
     row_len: torch.Tensor,  # [T] int: query row t sees keys [0, row_len[t]) of its table row
     sm_scale: float,
     rows_per_request: list[int] | None = None,  # runs of consecutive rows sharing a table row (None: 1 each)
-    split: bool = False,  # chunks in parallel, then a merge (decode rows on a GPU); same bits either way
+    form: str | None = None,  # FORMS; None: "gather" under the interpreter, else "fused"
 ) -> torch.Tensor:
-    """-> float32 [T, H, Dv] (see the module docstring for what is invariant)."""
+    """-> float32 [T, H, Dv] (see the module docstring for what is invariant). The forms give the same
+    bits: "fused" (one program per <= 16 rows of a request x KV head, its chunks in order), "split"
+    (chunks in parallel, then a merge in order: decode rows on a GPU), "gather" (the interpreter's:
+    few programs, each tile row gathering its own keys)."""
+    form = form or ("gather" if is_interpreting() else "fused")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if k_buffer.shape[2] != d or h % hkv or v_buffer.shape[1] != hkv:
@@ -232,7 +282,16 @@ def fixed_split_attention(
     bh = triton.next_power_of_2(g) if is_interpreting() else block_h(g)
     shapes = dict(G=g, BLOCK_H=bh, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
                   BLOCK_DV=triton.next_power_of_2(dv), CHUNK=CHUNK, enable_fp_fusion=False)
-    if not split:
+    if form == "gather":
+        per_row = triton.next_power_of_2(h) * CHUNK * max(shapes["BLOCK_D"], shapes["BLOCK_DV"])
+        rows = min(triton.next_power_of_2(t), 1 << max(0, (GATHER_ELEMENTS // per_row).bit_length() - 1))
+        _gather_kernel[(triton.cdiv(t, rows),)](
+            q, k_buffer, v_buffer, table, row_table, row_len, out, t, float(sm_scale),
+            q.stride(0), q.stride(1), *common, out.stride(0), out.stride(1),
+            H=h, BLOCK_HQ=triton.next_power_of_2(h), ROWS=rows,
+            **{key: val for key, val in shapes.items() if key != "BLOCK_H"})
+        return out
+    if form == "fused":
         starts, rows = [], []
         t0, runs = 0, rows_per_request or [1] * t
         tile_rows = 1 if max(runs) == 1 else BLOCK_T

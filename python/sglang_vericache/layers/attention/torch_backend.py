@@ -34,6 +34,7 @@ group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -131,11 +132,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         # --enable-deterministic-inference: every attention goes through the batch-invariant kernel.
         args = getattr(model_runner, "server_args", None)
         self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        # its kernel, fixed_chunk_attention's interface; None: the CPU kernel (the triton backend sets its own)
+        self.invariant_kernel = None
         # DRAFT_DECODE on a CPU: the fused kernel (draft_kernel.py) when it builds; False = torch path.
         self.fused_draft: bool | None = None  # None: decided at the first draft forward
         on_cpu = not str(getattr(model_runner, "device", "cpu")).startswith("cuda")
-        if getattr(args, "kv_compressor", None) and on_cpu:
+        if getattr(args, "kv_compressor", None) and on_cpu and self.uses_fused_draft():
             self.fused_draft = fused_draft_available()  # built at start, not at the first draft
+
+    def uses_fused_draft(self) -> bool:
+        """Whether DRAFT_DECODE may use the CPU's fused draft kernel (the triton backend under
+        deterministic inference says no: its draft rows go through its own kernel)."""
+        return True
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -259,7 +267,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
-        attend = _invariant_attend if self.deterministic else _attend
+        attend = partial(_invariant_attend, kernel=self.invariant_kernel) if self.deterministic else _attend
         if isinstance(md, PaddedMetadata):
             qp = q if md.q_index is None else q.index_select(0, md.q_index)
             out = attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
@@ -294,7 +302,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, out_loc, k.reshape(t, layer.num_kv_heads, layer.head_dim),
                                v.reshape(t, layer.num_kv_heads, layer.v_head_dim))
-        attend = _invariant_attend if self.deterministic else _attend
+        attend = partial(_invariant_attend, kernel=self.invariant_kernel) if self.deterministic else _attend
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         out = attend(qp, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md,
                      md.batch_size, md.q_len, layer)
@@ -321,7 +329,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             staged.release(lid)  # copied out: the ring slot can take layer lid + depth now
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         if self.deterministic:
-            out = _invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer)
+            out = _invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer,
+                                     self.invariant_kernel)
         else:
             out = _grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
                                 _sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
@@ -367,7 +376,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if self.deterministic:  # key j of request b is row j * bs + b of the context
             index = torch.arange(s * bs, device=q.device).view(s, bs).T
             allowed = None if mask is None else mask[:, 0]
-            return _invariant_kernel(q.view(bs, 1, *q.shape[1:]), k_ctx, v_ctx, index, allowed, layer)
+            return _invariant_kernel(q.view(bs, 1, *q.shape[1:]), k_ctx, v_ctx, index, allowed, layer,
+                                     self.invariant_kernel)
         keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
         values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
         return _grouped_sdpa(q, keys, values, mask, bs, 1, layer)
@@ -399,16 +409,18 @@ def _attend(
     return _grouped_sdpa(q, keys, values, _sdpa_mask(md, g), bs, q_len, layer)
 
 
-def _invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention) -> torch.Tensor:
-    """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype."""
-    from sgl_kernel_ext.cpu_attention import fixed_chunk_attention
+def _invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention, kernel=None) -> torch.Tensor:
+    """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype,
+    through `kernel` (fixed_chunk_attention's interface; None: the CPU kernel)."""
+    if kernel is None:
+        from sgl_kernel_ext.cpu_attention import fixed_chunk_attention as kernel
 
-    out = fixed_chunk_attention(q, k_src, v_src, index, allowed, layer.scaling)
+    out = kernel(q, k_src, v_src, index, allowed, layer.scaling)
     return out.to(q.dtype).reshape(q.shape[0] * q.shape[1], -1)
 
 
 def _invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int, q_len: int,
-                      layer: RadixAttention) -> torch.Tensor:
+                      layer: RadixAttention, kernel=None) -> torch.Tensor:
     """_attend through the batch-invariant kernel, reading the pool in place (no gather)."""
     index, allowed = md.kv_index, md.allowed
     if k_buf.dtype != q.dtype:  # --kv-cache-dtype: gather, then read in the compute dtype
@@ -416,15 +428,16 @@ def _invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int
         k_buf = k_buf.index_select(0, index.reshape(-1)).to(q.dtype)
         v_buf = v_buf.index_select(0, index.reshape(-1)).to(q.dtype)
         index = torch.arange(bs * s, device=q.device).view(bs, s)
-    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer)
+    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer, kernel)
 
 
-def _invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention) -> torch.Tensor:
+def _invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention,
+                       kernel=None) -> torch.Tensor:
     """q [B*Lq, H, D] over assembled contexts keys / values [B, S, Hkv, D] -> [B*Lq, H*Dv]."""
     s = keys.shape[1]
     index = torch.arange(bs * s, device=q.device).view(bs, s)
     return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), keys.reshape(bs * s, *keys.shape[2:]),
-                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer)
+                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer, kernel)
 
 
 def _grouped_sdpa(

@@ -15,7 +15,16 @@ Explicit fallbacks to the torch path (same results, same code as the `torch` bac
 - DRAFT_DECODE layers whose compressed layout no kernel reads (fp8);
 - models the kernels cannot shape (every mode): head_dim not a power of two >= 16, or a non-float dtype.
 `path_counts` counts the layer calls per path ("decode", "verify", "draft_token_drop",
-"draft_quantized", "torch"), so a test can check no silent fallback happened.
+"draft_quantized", "torch", "fixed_split"), so a test can check no silent fallback happened.
+
+Under --enable-deterministic-inference every attention row goes through one kernel,
+sgl_kernel_ext.fixed_split_attention (chunks of 64 keys at absolute positions, folded in order; its
+docstring states the invariant): DECODE, TARGET_VERIFY and EXTEND read the pool through req_to_token
+directly (row t sees positions [0, positions[t]]); the torch-path layouts (MIXED, staged rows,
+DRAFT_DECODE over its assembled context) call the same kernel in place of the CPU one. So a verify row
+equals the decode row at that position and a prefix's KV is the same however it was computed, bitwise,
+as on the torch backend; the two backends agree with each other only to rounding. The split-K and
+compressed-layout kernels above are not used then (the draft step gathers its context), nor CUDA graphs.
 
 On CPU the kernels run only under TRITON_INTERPRET=1 (set before triton is imported; slow, for
 tests); on a GPU they compile. sgl_kernel_ext is imported in __init__, never at module import.
@@ -62,6 +71,17 @@ class VerifyKernelMetadata:
 
 
 @dataclass
+class FixedSplitMetadata:
+    """Deterministic DECODE / TARGET_VERIFY / EXTEND: token row t reads req_to_token[row_table[t]]'s
+    first row_len[t] slots."""
+
+    row_table: torch.Tensor  # [T]
+    row_len: torch.Tensor  # [T] = positions + 1
+    rows_per_request: list[int] | None  # None in DECODE (one row each)
+    form: str | None  # fixed_split_attention's form: "split" for DECODE on a GPU, else its default
+
+
+@dataclass
 class DraftKernelMetadata:
     draft: DraftMetadata | None  # the torch path's (fallback layers); None in a CUDA graph (none falls back)
     chunk_ids: torch.Tensor  # [B, max(1, C_max)] int64, 0 = padding
@@ -102,10 +122,31 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         # the kernels need head_dim a power of two >= 16 (K and V share it) and a float query dtype
         float_dtypes = (torch.float32, torch.float16, torch.bfloat16)
         self.kernels_fit = d >= 16 and d & (d - 1) == 0 and dtype in float_dtypes
+        if self.deterministic:  # one kernel for every row (module docstring); any head_dim
+            from sgl_kernel_ext.fixed_split_attention import fixed_split_attention, fixed_split_attention_masked
+
+            self.fixed_split = fixed_split_attention
+            self.invariant_kernel = self._fixed_split_masked
+            self.fused_draft = False  # the draft step's torch path, through the same kernel
+            self.on_gpu = device.startswith("cuda")
+            self._masked = fixed_split_attention_masked
+
+    def uses_fused_draft(self) -> bool:
+        return not self.deterministic
+
+    def _fixed_split_masked(self, *args):
+        self.path_counts["fixed_split"] += 1
+        return self._masked(*args)
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb, mode = forward_batch, forward_batch.forward_mode
+        if self.deterministic:
+            direct = mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND)
+            if direct and fb.staged is None:
+                self.forward_metadata = self._fixed_split_metadata(fb)
+                return
+            return super().init_forward_metadata(fb)  # MIXED, staged, DRAFT_DECODE: torch path, this kernel
         kernel_mode = mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE)
         if not (kernel_mode and self.kernels_fit) or fb.staged is not None:
             return super().init_forward_metadata(fb)  # torch path (see the module docstring)
@@ -118,6 +159,16 @@ class TritonAttnBackend(TorchNativeAttnBackend):
                 fb.req_pool_indices.to(dev), fb.seq_lens.to(dev), max(seq))
         else:
             self.forward_metadata = self._verify(fb, dev)
+
+    def _fixed_split_metadata(self, fb: ForwardBatch) -> FixedSplitMetadata:
+        dev = fb.token_to_kv_pool.get_key_buffer(0).device
+        ext = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+        decode = fb.forward_mode.is_decode()
+        row_table = fb.req_pool_indices.to(dev)
+        if not decode:
+            row_table = row_table.repeat_interleave(torch.tensor(ext, device=dev), output_size=sum(ext))
+        return FixedSplitMetadata(row_table, fb.positions.to(dev) + 1, None if decode else list(ext),
+                                  "split" if decode and self.on_gpu else None)
 
     def _verify(self, fb: ForwardBatch, dev) -> VerifyKernelMetadata:
         ext = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
@@ -161,6 +212,8 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         md, fb = self.forward_metadata, forward_batch
+        if isinstance(md, FixedSplitMetadata):
+            return self._forward_fixed_split(q, k, v, layer, fb, md, save_kv_cache)
         if not isinstance(md, (DecodeKernelMetadata, VerifyKernelMetadata, DraftKernelMetadata)):
             self.path_counts["torch"] += 1
             return super().forward(q, k, v, layer, fb, save_kv_cache)
@@ -187,6 +240,18 @@ class TritonAttnBackend(TorchNativeAttnBackend):
             qp, md.q_lens, k_buf, v_buf, r2t, md.req_pool_indices, md.seq_lens, layer.scaling)
         out = out.reshape(md.batch_size * md.q_len, h * d)
         return out if md.out_index is None else out.index_select(0, md.out_index)
+
+    def _forward_fixed_split(self, q, k, v, layer, fb: ForwardBatch, md: FixedSplitMetadata, save_kv_cache: bool):
+        t, h, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        pool = fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(t, hkv, d),
+                               v.reshape(t, hkv, layer.v_head_dim))
+        self.path_counts["fixed_split"] += 1
+        out = self.fixed_split(q.reshape(t, h, d), pool.get_key_buffer(layer.layer_id),
+                               pool.get_value_buffer(layer.layer_id), fb.req_to_token_pool.req_to_token,
+                               md.row_table, md.row_len, layer.scaling, md.rows_per_request, md.form)
+        return out.to(q.dtype).reshape(t, -1)
 
     def _torch_draft(self, q, k, v, layer, fb: ForwardBatch, md: DraftKernelMetadata, save_kv_cache: bool):
         self.path_counts["torch"] += 1
