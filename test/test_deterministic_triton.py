@@ -19,6 +19,7 @@ from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 NEW = 5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 PROMPT_LENS = [5, 70]  # 70: two chunks of keys by the last position (the chunk boundary at 64)
 
 
@@ -39,7 +40,7 @@ def no_cpu_kernel(monkeypatch):
 
 
 def _scheduler(path, dtype, **server) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
+    return Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8, device=DEVICE,
                                 attention_backend="triton", enable_deterministic_inference=True, **server))
 
 
@@ -52,9 +53,9 @@ def _request(rid, ids, new=NEW):
     return make_request(rid, ids, return_logprob=True, max_new_tokens=new, ignore_eos=True, temperature=0.0)
 
 
-def _outputs(sched, alone=False, crowd=()):
-    """(output ids, output logprobs) of each PROMPT_LENS prompt: one at a time, or all with the crowd."""
-    targets = [_request(f"t{i}", ids) for i, ids in enumerate(_prompts(PROMPT_LENS, 1))]
+def _outputs(sched, alone=False, crowd=(), lens=PROMPT_LENS, new=NEW):
+    """(output ids, output logprobs) of each `lens` prompt: one at a time, or all with the crowd."""
+    targets = [_request(f"t{i}", ids, new) for i, ids in enumerate(_prompts(lens, 1))]
     if alone:
         res = {}
         for r in targets:
@@ -78,9 +79,9 @@ def full_alone(llama):
     return get
 
 
-def _assert_identical(want, got, label):
+def _assert_identical(want, got, label, new=NEW):
     for i, ((ids_w, lp_w), (ids_g, lp_g)) in enumerate(zip(want, got)):
-        assert len(ids_w) == NEW and ids_g == ids_w, f"{label}: request {i} tokens differ"
+        assert len(ids_w) == new and ids_g == ids_w, f"{label}: request {i} tokens differ"
         assert lp_g == lp_w, f"{label}: request {i} logprobs differ"
 
 
@@ -94,14 +95,15 @@ def test_alone_equals_among_other_requests_with_another_chunking(llama, full_alo
     _assert_identical(want, got, "among 3 requests, chunked prefill 32")
 
 
-@pytest.mark.parametrize(("compressor", "dtype"), [("snapkv", "bfloat16"), ("int8", "bfloat16"),
-                                                   ("snapkv", "float32")])
-def test_vericache_equals_deterministic_full(llama, full_alone, compressor, dtype):
+# int8: staggered over a 1 GB/s link (staged verify rows and MIXED batches: the torch path's layouts)
+@pytest.mark.parametrize(("compressor", "dtype", "link"), [("snapkv", "bfloat16", None), ("int8", "bfloat16", "1GB"),
+                                                           ("snapkv", "float32", None)])
+def test_vericache_equals_deterministic_full(llama, full_alone, compressor, dtype, link):
     want, _ = full_alone(dtype)
     vc = _scheduler(llama, dtype, kv_compressor=compressor, speculative_algorithm="VERICACHE",
-                    speculative_num_draft_tokens="3")
+                    speculative_num_draft_tokens="3", link_bandwidth=link)
     _assert_identical(want, _outputs(vc), f"VeriCache {compressor}")
-    assert vc.metrics.spec_rounds_total > 0
+    assert vc.metrics.spec_rounds_total > 0 and vc.server_args.staggered == (link is not None)
     backend = vc.model_runner.attn_backend
     assert backend.fused_draft is False
     # verify rows through the pool directly; draft rows through the torch path's context, same kernel
@@ -113,3 +115,19 @@ def test_server_info_and_settings(llama, full_alone):
     info = sched.ready_message().server_info
     assert info["enable_deterministic_inference"] is True and info["batch_invariant_linear"] == "triton"
     assert sched.model_runner.graph_runner is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs an NVIDIA GPU (CUDA)")
+def test_under_load_on_gpu_bfloat16(llama):
+    """On a GPU, where torch's own CUDA reductions (RMSNorm, log_softmax) also run: 6 prompts alone ==
+    among 24 mixed-length requests with chunked prefill 64 == VeriCache snapkv among them, 24 tokens."""
+    lens, new = [5, 37, 70, 130, 9, 200], 24
+    want = _outputs(_scheduler(llama, "bfloat16"), alone=True, lens=lens, new=new)
+    crowd = [_request(f"c{i}", ids, new=4 + (5 * i) % 24)
+             for i, ids in enumerate(_prompts([3 + (37 * i) % 180 for i in range(18)], 7))]
+    got = _outputs(_scheduler(llama, "bfloat16", chunked_prefill_size=64), crowd=crowd, lens=lens, new=new)
+    _assert_identical(want, got, "among 24 requests", new)
+    vc = _scheduler(llama, "bfloat16", kv_compressor="snapkv", speculative_algorithm="VERICACHE",
+                    speculative_num_draft_tokens="4")
+    _assert_identical(want, _outputs(vc, crowd=crowd, lens=lens, new=new), "VeriCache snapkv", new)

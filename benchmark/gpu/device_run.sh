@@ -6,12 +6,15 @@
 #            graph capture against eager forwards, kernels at GPU dtypes
 #   kernels  run_device_checks.py, bandwidth runs capped at BUDGET_S seconds
 #   e2e      e2e_8b.py, full / VeriCache / lossy on a random-weight 8B-shape model
+#   determinism  --enable-deterministic-inference on the triton backend, compiled (~1-2 minutes):
+#            fixed_split_attention's forms bitwise equal at Llama-3-8B's shape, batch_invariant_matmul
+#            rows, and end to end on CUDA (alone == under load == VeriCache, bfloat16)
 # Results and logs go to $OUT (default benchmark/results). Exit status 1 if any stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmark/results}
 BUDGET_S=${BUDGET_S:-150}
-STAGES=${STAGES:-tests kernels e2e}
+STAGES=${STAGES:-tests kernels e2e determinism}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel-ext/python PYTHONUNBUFFERED=1
@@ -26,6 +29,9 @@ for stage in $STAGES; do
     kernels) python3 benchmark/gpu/run_device_checks.py --budget-s "$BUDGET_S" 2>&1 \
                | tee "$OUT/gpu_device_checks.log" || rc=1 ;;
     e2e) python3 benchmark/gpu/e2e_8b.py 2>&1 | tee "$OUT/gpu_e2e_8b.log" || rc=1 ;;
+    determinism) timeout 300 python3 -m pytest -q -p no:cacheprovider test/test_deterministic_triton.py \
+                   test/kernels/test_fixed_split_attention.py test/kernels/test_batch_invariant_matmul.py 2>&1 \
+                   | tee "$OUT/gpu_determinism.log" || rc=1 ;;
     *) echo "unknown stage $stage" >&2; rc=1 ;;
   esac
 done
