@@ -7,11 +7,13 @@ from sgl_kernel_ext.decode_exact import decode_attention
 from sgl_kernel_ext.decode_merge import merge_partials
 from sgl_kernel_ext.decode_quantized import quantized_decode_attention
 from sgl_kernel_ext.decode_token_drop import token_drop_decode_attention
+from sgl_kernel_ext.fixed_split_attention import fixed_split_attention
 from sgl_kernel_ext.quantize_append import quantize_append
 from sgl_kernel_ext.verify_attention import verify_attention
 
 __all__ = [
     "decode_attention",
+    "fixed_split_attention",
     "merge_partials",
     "quantize_append",
     "quantized_decode_attention",

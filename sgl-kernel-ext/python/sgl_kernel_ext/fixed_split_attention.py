@@ -3,15 +3,16 @@
 +----------------------------------------------------------------------------------------------+
 | Invariant: query row t (one token, all its heads) attends to the first row_len[t] keys of     |
 | table row row_table[t]. Those keys are cut into fixed chunks of CHUNK keys at absolute key   |
-| positions [c*CHUNK, (c+1)*CHUNK); stage 1 reduces each chunk on its own (float32 max, exp,   |
-| sum and exp-weighted V, the G heads of one KV head in a fixed [BLOCK_H, CHUNK] tile, every   |
-| tile shape a constant of the model); stage 2 folds the chunk partials in chunk order, c = 0  |
-| first. Nothing depends on the number of rows, requests or splits, on where the row sits, or |
-| on the chunks computed in parallel: a row's bits are a function of (its query, its keys and  |
-| values, in order). So a TARGET_VERIFY row equals the DECODE row of the same position, an     |
-| EXTEND row equals both, and every path of the triton backend that uses this kernel (the     |
-| direct pool paths and the torch-path layouts: padded, ragged, staged, draft contexts) agrees |
-| bitwise.                                                                                     |
+| positions [c*CHUNK, (c+1)*CHUNK); each chunk is reduced on its own (float32 max, exp, sum    |
+| and exp-weighted V), then the chunk partials are folded in chunk order, c = 0 first. Every  |
+| reduction is per element (a float32 IEEE tl.dot on a GPU walks K in order for each output; |
+| under the interpreter, broadcast products summed by numpy per element), so a row's bits are |
+| a function of (its query, its keys and values, in order): not of the number of rows,        |
+| requests or splits, the tile the row sits in or its place there, or the chunks computed in  |
+| parallel. So a TARGET_VERIFY row equals the DECODE row of the same position, an EXTEND row   |
+| equals both, and every path of the triton backend that uses this kernel (the direct pool    |
+| paths and the torch-path layouts: padded, ragged, staged, draft contexts) agrees bitwise.   |
+| The three forms (fused, split, gather; see fixed_split_attention) are tested equal.         |
 +----------------------------------------------------------------------------------------------+
 
 Not bitwise equal to the CPU kernel (cpu_attention.fixed_chunk_attention): that one sums q.k over d
