@@ -2,10 +2,11 @@
 token and tokens/s against plain VeriCache and deterministic full mode, medians of --repeats runs.
 
     .venv/bin/python benchmark/bench_ngram.py                      # snapkv 4x and kivi4, X = 16
-    .venv/bin/python benchmark/bench_ngram.py --compressors int8 --draft-tokens 8 30 --out ngram_int8
+    .venv/bin/python benchmark/bench_ngram.py --dtype float32 --out ngram_fp32
 
-Every mode runs deterministic inference in the checkpoint's bfloat16, so VeriCache (with or without
-n-gram proposals) must give full mode's output bitwise; the table says whether it did. N-gram
+Every mode runs deterministic inference (in the checkpoint's bfloat16 unless --dtype float32), so
+VeriCache (with or without n-gram proposals) must give full mode's output bitwise; the table says
+whether it did. N-gram
 drafting runs exactly plain VeriCache's rounds (the same drafts; only the draft forwards that hold
 them differ), so tokens per round are equal by construction and the table shows the forwards.
 
@@ -31,7 +32,7 @@ DECODE_MODES = ("DECODE", "DRAFT_DECODE", "TARGET_VERIFY", "MIXED")
 def measure(args, ids, repeats: int, **mode) -> dict:
     """repeats runs of one mode -> medians and the first run's outputs and counters."""
     runs = [run_mode(args.model_path, ids, args.max_new_tokens, {"temperature": 0.0, "ignore_eos": True},
-                     page_size=args.page_size, dtype="bfloat16", enable_deterministic_inference=True,
+                     page_size=args.page_size, dtype=args.dtype, enable_deterministic_inference=True,
                      max_running_requests=len(ids), **mode) for _ in range(repeats)]
     first = runs[0]
     m = first.metrics
@@ -65,6 +66,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="Greedy tokens generated per prompt.")
     p.add_argument("--page-size", type=int, default=16, help="Page = compression chunk size.")
     p.add_argument("--repeats", type=int, default=3, help="Runs per mode; tokens/s is their median.")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="Compute dtype (bfloat16: the checkpoint's). On an AVX2 CPU a bfloat16 row costs several "
+                        "times a float32 one, so the rows n-gram proposals add cost more there.")
     p.add_argument("--branch-length", type=int, default=8, help="--speculative-ngram-branch-length.")
     p.add_argument("--min-window", type=int, default=1, help="--speculative-ngram-min-match-window-size.")
     p.add_argument("--out", default="ngram", help="Results name under benchmark/results.")
@@ -89,7 +93,7 @@ def main() -> None:
     lines = [
         f"N-gram drafting composed with VeriCache: {args.model_path}",
         f"{len(ids)} held-out code prompts ({args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens) at once, "
-        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, bfloat16, deterministic inference; "
+        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, {args.dtype}, deterministic inference; "
         f"n-gram windows {args.min_window}-12, branch length {args.branch_length}; machine: {machine()}",
         f"tokens/s: median of {args.repeats} runs on a 2-core machine shared with other jobs (ratios between rows "
         "of this run only). Forwards: decode-phase forward passes per output token (prefill not counted).",
