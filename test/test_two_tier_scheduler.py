@@ -36,7 +36,7 @@ def test_device_budget_sizes_the_compressed_tier_and_host_budget_the_exact(llama
     per_chunk = s.two_tier.pool.bytes_per_chunk()
     # The device budget also holds the drafts' scratch KV (one row of X+1 slots per request row).
     draft_scratch = (1 + s.req_to_token_pool.size * 17) * s.model_runner.token_to_kv_pool.bytes_per_token()
-    assert TwoTierKV.device_overhead_bytes(s) == draft_scratch
+    assert TwoTierKV.device_overhead_bytes(s.server_args, s.model_runner) == draft_scratch
     assert s.two_tier.pool.num_chunks == (2_000_000 - draft_scratch) // per_chunk
     exact_per_token = s.model_runner.token_to_kv_pool.bytes_per_token()
     assert s.max_total_num_tokens == 1_000_000 // exact_per_token // PS * PS
@@ -133,7 +133,8 @@ def test_compressed_tier_smaller_than_the_workload_queues_instead_of_thrashing(l
     extra = {"speculative_algorithm": "VERICACHE"} if mode == "vericache" else {}
     probe = roomy = sched(llama, kv_compressor="int8", max_running_requests=8, **extra)
     chunks = 2 * ((100 + 30) // PS + 1) + 4
-    budget = TwoTierKV.device_overhead_bytes(probe) + chunks * probe.two_tier.pool.bytes_per_chunk()
+    overhead = TwoTierKV.device_overhead_bytes(probe.server_args, probe.model_runner)
+    budget = overhead + chunks * probe.two_tier.pool.bytes_per_chunk()
     s = sched(llama, kv_compressor="int8", max_running_requests=8, device_kv_budget=str(budget), **extra)
     assert s.two_tier.pool.num_chunks == chunks
     reqs = lambda: [make_request(f"r{i}", ids(100, 20 + i), max_new_tokens=30, temperature=0.0, ignore_eos=True)

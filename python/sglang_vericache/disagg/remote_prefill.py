@@ -40,9 +40,17 @@ from sglang_vericache.mem_cache.prefix_store import model_identity
 from sglang_vericache.mem_cache.storage.hash_chain import StoreNamespace, page_keys
 
 if TYPE_CHECKING:
+    from collections import deque
+
+    from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
+    from sglang_vericache.managers.output_sink import OutputSink
+    from sglang_vericache.managers.request_memory import RequestMemory
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.managers.stats import SchedulerMetrics
     from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache
+    from sglang_vericache.mem_cache.prefix_store import PrefixStore
+    from sglang_vericache.mem_cache.two_tier import TwoTierKV
+    from sglang_vericache.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +77,34 @@ def prefill_state(req: Req) -> RemotePrefillState:
 
 
 class RemotePrefill:
-    def __init__(self, scheduler: Scheduler):
-        s = self.s = scheduler
-        self.cache: CompressedPrefixCache = s.tree_cache
-        self.P = s.page_size
-        store = s.prefix_store
+    """Built by the scheduler after the remote drafter's worker (which carries the OpenSession and
+    PrefillResult messages): admits off waiting_queue into running through memory, fills exact
+    slots (req_to_token_pool, kv_pool) with the KV the verifier sends, folds it (two_tier) into
+    tree_cache, and emits through output. recv_socket: the scheduler's input, polled while idle."""
+
+    def __init__(self, args: ServerArgs, waiting_queue: deque[Req], running: list[Req], req_to_token_pool,
+                 allocator, kv_pool, tree_cache: CompressedPrefixCache, two_tier: TwoTierKV,
+                 memory: RequestMemory, output: OutputSink, metrics: SchedulerMetrics,
+                 worker: RemoteVerifyWorker, prefix_store: PrefixStore | None = None, recv_socket=None):
+        self.args = args
+        self.waiting_queue = waiting_queue
+        self.running = running
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.kv_pool = kv_pool
+        self.cache = tree_cache
+        self.two_tier = two_tier
+        self.memory = memory
+        self.output = output
+        self.metrics = metrics
+        self.worker = worker
+        self.prefix_store = store = prefix_store
+        self.recv_socket = recv_socket
+        self.P = args.page_size
         if store is not None and store.comp is not None:
             self.namespace = store.comp.namespace
         else:
-            args = s.server_args
-            dtype = str(s.model_runner.token_to_kv_pool.dtype).removeprefix("torch.")
+            dtype = str(kv_pool.dtype).removeprefix("torch.")
             self.namespace = StoreNamespace(model_identity(args.model_path), "compressed", self.P, dtype,
                                             args.kv_compressor, args.kv_compression_ratio)
         self.prefilling: dict[str, Req] = {}
@@ -90,10 +116,6 @@ class RemotePrefill:
         self.fetching_keys: set[str] = set()
         self.stats = {"prefills_requested": 0, "prefills_applied": 0, "prefix_pages": 0,
                       "store_pages_loaded": 0, "kv_bytes_received": 0}
-
-    @property
-    def worker(self):
-        return self.s.spec_worker
 
     # ------------------------------------------------------------------ the scheduler's step
 
@@ -118,8 +140,8 @@ class RemotePrefill:
             return
         poller = zmq.Poller()
         poller.register(self.worker.link.sock, zmq.POLLIN)
-        if self.s.recv_socket is not None:
-            poller.register(self.s.recv_socket, zmq.POLLIN)
+        if self.recv_socket is not None:
+            poller.register(self.recv_socket, zmq.POLLIN)
         poller.poll(WAIT_MS)
 
     def drop(self, req: Req, message: str) -> None:
@@ -127,19 +149,19 @@ class RemotePrefill:
         if req.finished:
             return
         req.finished_reason = {"type": "abort", "message": message}
-        self.s.output.release(req)
+        self.output.release(req)
 
     # ------------------------------------------------------------------ admission
 
     def admit(self) -> None:
-        s, P = self.s, self.P
+        P = self.P
         self.prefetch()
-        while s.waiting_queue:
-            if len(s.running) + len(self.prefilling) >= s.server_args.max_running_requests:
+        while self.waiting_queue:
+            if len(self.running) + len(self.prefilling) >= self.args.max_running_requests:
                 return
-            req = s.waiting_queue[0]
+            req = self.waiting_queue[0]
             if not self.worker.link.up:
-                s.waiting_queue.popleft()
+                self.waiting_queue.popleft()
                 link = self.worker.link
                 self.fail_waiting(req, link.refused or f"verifier at {link.addr} is not reachable")
                 continue
@@ -152,23 +174,23 @@ class RemotePrefill:
             self.cache.lock(held)
             if not self.reserve(req, len(ids)):
                 self.cache.unlock(held)
-                if not s.running and not self.prefilling:
-                    s.waiting_queue.popleft()
+                if not self.running and not self.prefilling:
+                    self.waiting_queue.popleft()
                     self.fail_waiting(req, "the prompt does not fit in this drafter's KV pools")
                     continue
                 return
             prefix = len(ids) * P
-            req.req_pool_idx = s.req_to_token_pool.alloc()
+            req.req_pool_idx = self.req_to_token_pool.alloc()
             req.comp_indices, req.comp_prefix_len = ids, prefix
             req.kv_committed_len = req.kv_allocated_len = prefix
             st = prefill_state(req)
             st.exact_from, st.held_keys = prefix, held
-            if s.memory.alloc_slots(req, n_prompt - prefix) is None:  # reserve() checked the room
+            if self.memory.alloc_slots(req, n_prompt - prefix) is None:  # reserve() checked the room
                 raise RuntimeError("exact slots vanished between reserve and alloc")
             req.cached_tokens = prefix
             req.meta["compressed_prefix_tokens"] = prefix
             self.stats["prefix_pages"] += len(ids)
-            s.waiting_queue.popleft()
+            self.waiting_queue.popleft()
             if not self.worker.send_open(req, kv_from=prefix):
                 self.drop(req, f"verifier at {self.worker.link.addr} is not reachable")
                 continue
@@ -178,25 +200,25 @@ class RemotePrefill:
 
     def fail_waiting(self, req: Req, message: str) -> None:
         req.finished_reason = {"type": "abort", "message": message}
-        self.s.output.emit(req)
+        self.output.emit(req)
 
     def reserve(self, req: Req, n_prefix_pages: int) -> bool:
         """Room for req's prompt past its compressed prefix (exact slots; chunks for its whole pages)
         and for every running or prefilling request's next round, evicting unlocked cached pages."""
-        s, P = self.s, self.P
+        P = self.P
         n_prompt = len(req.origin_input_ids)
         rest = n_prompt - n_prefix_pages * P
-        round_tokens = s.server_args.max_draft_tokens + 1
-        others = list(s.running) + list(self.prefilling.values())
-        pages = s.allocator.pages_needed(n_prefix_pages * P, rest + round_tokens)
-        pages += sum(s.allocator.pages_needed(r.kv_allocated_len, round_tokens) for r in others)
-        if pages * P > s.allocator.available_size() + s.tree_cache.evictable_size():
+        round_tokens = self.args.max_draft_tokens + 1
+        others = list(self.running) + list(self.prefilling.values())
+        pages = self.allocator.pages_needed(n_prefix_pages * P, rest + round_tokens)
+        pages += sum(self.allocator.pages_needed(r.kv_allocated_len, round_tokens) for r in others)
+        if pages * P > self.allocator.available_size() + self.cache.evictable_size():
             return False
         chunks = n_prompt // P - n_prefix_pages + (len(others) + 1) * (1 + (round_tokens + P - 1) // P)
-        short = chunks - s.two_tier.pool.available_chunks()
+        short = chunks - self.two_tier.pool.available_chunks()
         if short > 0:
             self.cache.evict_compressed(short)
-        return chunks <= s.two_tier.pool.available_chunks()
+        return chunks <= self.two_tier.pool.available_chunks()
 
     # ------------------------------------------------------------------ prefetch
 
@@ -214,7 +236,7 @@ class RemotePrefill:
         self.collect()
         if self.fetcher is None:
             return
-        for req in list(self.s.waiting_queue)[:PREFETCH_AHEAD]:
+        for req in list(self.waiting_queue)[:PREFETCH_AHEAD]:
             st = prefill_state(req)
             if st.fetch_started:
                 continue
@@ -224,7 +246,7 @@ class RemotePrefill:
                 st.fetch_started = True  # all cached: nothing to fetch
             elif keys[start] not in self.fetching_keys:  # else: wait for the fetch that brings it
                 missing = keys[start:]
-                future = self.fetcher.submit(self.s.prefix_store.fetch_compressed, missing)
+                future = self.fetcher.submit(self.prefix_store.fetch_compressed, missing)
                 self.fetches.append((future, keys, start, req))
                 self.fetching_keys.update(missing)
                 st.fetch_started, st.fetch = True, future
@@ -257,16 +279,15 @@ class RemotePrefill:
             if cached < start:  # the prefix it continues was evicted meanwhile: no place for them
                 continue
             payloads = payloads[cached - start :]
-            ids = self.s.prefix_store.install_compressed(payloads, nbytes, seconds)
+            ids = self.prefix_store.install_compressed(payloads, nbytes, seconds)
             taken = self.cache.insert(keys, ids, cached)
-            self.s.two_tier.pool.free(ids[taken:])
+            self.two_tier.pool.free(ids[taken:])
             self.stats["store_pages_loaded"] += taken
         self.fetches = still
 
     # ------------------------------------------------------------------ results
 
     def apply(self, res: PrefillResult) -> None:
-        s = self.s
         req = self.prefilling.pop(res.rid, None)
         if req is None or req.to_abort:
             if req is not None:
@@ -275,35 +296,35 @@ class RemotePrefill:
         self.stats["prefills_applied"] += 1
         n_prompt = len(req.origin_input_ids)
         if res.k is not None:
-            kv = s.model_runner.token_to_kv_pool
-            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len : n_prompt]
+            kv = self.kv_pool
+            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_committed_len : n_prompt]
             for layer in range(kv.num_layers):
                 kv.set_kv_buffer(layer, slots, res.k[layer], res.v[layer])
             self.stats["kv_bytes_received"] += res.k.numel() * res.k.element_size() * 2
             req.kv_committed_len = n_prompt
-            if not s.two_tier.fold(req):
+            if not self.two_tier.fold(req):
                 self.drop(req, "the drafter's compressed tier is full")
                 return
             self.adopt(req)
-            if s.prefix_store is not None:
-                s.prefix_store.write_through(req)
+            if self.prefix_store is not None:
+                self.prefix_store.write_through(req)
         st = req.remote_prefill
         req.meta["remote_prefill_s"] = round(time.perf_counter() - st.sent_at, 6)
         if req.return_logprob:
             req.input_token_logprobs = list(res.input_token_logprobs or [])
             req.input_top_logprobs = list(res.input_top_logprobs or [])
         req.input_logprobs_done = True
-        s.metrics.num_prompt_tokens_total += n_prompt - st.exact_from
+        self.metrics.num_prompt_tokens_total += n_prompt - st.exact_from
         if res.token < 0:  # max_new_tokens == 0
             req.finished_reason = {"type": "length", "length": 0}
-            s.output.release(req)
+            self.output.release(req)
             return
         top = res.top_logprobs or []
         tops = ([[v for v, _ in top]], [[i for _, i in top]])
-        s.output.append_tokens(req, [res.token], [res.logprob], tops, 0)
+        self.output.append_tokens(req, [res.token], [res.logprob], tops, 0)
         if not req.finished:
-            s.running.append(req)
-        s.output.finish_round([req])
+            self.running.append(req)
+        self.output.finish_round([req])
 
     def adopt(self, req: Req) -> None:
         """Gives the prompt's newly folded whole pages to the cache (req keeps them locked)."""

@@ -129,7 +129,7 @@ class VerifierServer:
     def step(self) -> None:
         s = self.sched
         s.drop_aborted()  # closed sessions
-        batch = s.prefill_adder.build()
+        batch = s.prefill_adder.build(s.chunked_req)
         if batch:
             s.run_extend(batch)
             self.send_prefills()

@@ -16,15 +16,13 @@ import torch
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.schedule_policy import PrefillAdder
     from sglang_vericache.managers.stats import SchedulerMetrics
     from sglang_vericache.mem_cache.two_tier import TwoTierKV
 
 
 class RequestMemory:
     def __init__(self, req_to_token_pool, allocator, tree_cache, page_size: int, two_tier: TwoTierKV | None,
-                 running: list[Req], waiting_queue: deque[Req], prefill_adder: PrefillAdder,
-                 metrics: SchedulerMetrics):
+                 running: list[Req], waiting_queue: deque[Req], metrics: SchedulerMetrics):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -32,11 +30,12 @@ class RequestMemory:
         self.two_tier = two_tier
         self.running = running
         self.waiting_queue = waiting_queue
-        self.prefill_adder = prefill_adder
         self.metrics = metrics
         # Called when a request leaves (finished, aborted or retracted): the staggered schedule
         # gives back its booking.
         self.on_leave: Callable[[Req], None] | None = None
+        # Called after a retraction: admission (PrefillAdder.on_retract) stops being optimistic.
+        self.on_retract: Callable[[], None] | None = None
 
     def alloc_slots(self, req: Req, num_new: int) -> torch.Tensor | None:
         """Extends `req`'s slots by num_new positions, evicting cached prefixes if needed."""
@@ -86,7 +85,8 @@ class RequestMemory:
         req.reset_for_retract()
         self.waiting_queue.appendleft(req)
         self.metrics.num_retracted_total += 1
-        self.prefill_adder.on_retract()
+        if self.on_retract is not None:
+            self.on_retract()
 
     def free(self, req: Req) -> None:
         """A request that is done: its KV goes to the radix tree, the rest back to the pools."""

@@ -5,9 +5,11 @@ the next chunk of a chunked prefill) or one decode step for every running reques
 what each request emitted. Memory pressure is met by queueing (admission control), prefix-cache
 eviction, and finally retraction of running requests, never by failing a request.
 The forward passes themselves are in scheduler_forward.py, sampling in
-scheduler_output_processor.py, /start_profile in scheduler_profiler.py. The collaborators the
-decode paths are handed (RequestMemory, OutputSink, VeriCacheRound and its driver) are built in
-one place, build_decoding.
+scheduler_output_processor.py, /start_profile in scheduler_profiler.py, what it reports of itself
+(limits, the ready message, the tiers' budgets) in scheduler_info.py. The collaborators of
+admission and the decode paths (RequestMemory, OutputSink, VeriCacheRound and its driver,
+PrefillAdder, RemotePrefill) are built in one place, build_decoding; TwoTierKV and PrefixStore, which the tree and admission need first, in
+__init__ (each handed the server args and the pools, the tree or the tier it uses).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from sglang_vericache.managers.io_struct import (
     ProfileReq,
     ReqOutput,
     SchedulerError,
-    SchedulerReady,
     TokenizedGenerateReqInput,
 )
 from sglang_vericache.managers.output_sink import OutputSink, RecordingSink
@@ -34,6 +35,7 @@ from sglang_vericache.managers.request_memory import RequestMemory
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
 from sglang_vericache.managers.scheduler_forward import SchedulerForwardMixin
+from sglang_vericache.managers.scheduler_info import SchedulerInfoMixin
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from sglang_vericache.managers.scheduler_profiler import SchedulerProfiler
 from sglang_vericache.managers.stats import SchedulerMetrics
@@ -46,7 +48,7 @@ from sglang_vericache.server_args import PortArgs, ServerArgs
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerInfoMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None):
         self.server_args = server_args
         self.model_runner = ModelRunner(server_args)
@@ -67,7 +69,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
             from sglang_vericache.mem_cache.two_tier_radix_cache import TwoTierRadixCache
             from sglang_vericache.mem_cache.two_tier import TwoTierKV
 
-            self.two_tier = TwoTierKV(self)
+            self.two_tier = TwoTierKV(server_args, self.model_runner)
             if server_args.disagg_prefill == "verifier":  # remote prefix caching: compressed pages alone
                 from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache as TreeCls
             else:
@@ -76,12 +78,14 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
                 self.req_to_token_pool, self.allocator, self.two_tier.pool, self.page_size,
                 disable=server_args.disable_radix_cache,
             )
+            self.two_tier.tree_cache = self.tree_cache
         # KV store (--kv-store, issue 8): prefix pages shared across instances; see prefix_store.py.
         self.prefix_store = None
         if server_args.kv_store != "none":
             from sglang_vericache.mem_cache.prefix_store import PrefixStore
 
-            self.prefix_store = PrefixStore(self)
+            self.prefix_store = PrefixStore(server_args, self.req_to_token_pool, self.allocator,
+                                            self.model_runner.token_to_kv_pool, self.tree_cache, self.two_tier)
         self.link = None
         if server_args.uses_link:
             from sglang_vericache.mem_cache.link import Link
@@ -108,7 +112,6 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
-        self.prefill_adder = PrefillAdder(self)
         self.metrics = SchedulerMetrics()
         # Benchmarks set a list here to get (start, end, tag) of every model forward.
         self.timeline: list[tuple[float, float, str]] | None = None
@@ -122,57 +125,68 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
             self.send_socket = ctx.socket(zmq.PUSH)
             self.send_socket.connect(port_args.tokenizer_ipc_name)
         self.build_decoding()
-        self.remote_prefill = None
-        if server_args.disagg_prefill == "verifier":  # the verifier prefills (remote prefix caching)
-            from sglang_vericache.disagg.remote_prefill import RemotePrefill
-
-            self.remote_prefill = RemotePrefill(self)
 
     def build_decoding(self) -> None:
-        """The collaborators of the decode paths, each handed only what it uses, in this order:
+        """The collaborators of admission and the decode paths, each handed only what it uses (the
+        pools, the tree, two_tier and prefix_store are built before), in this order:
           memory     RequestMemory: slots, making room, retraction (pools, tree, queues);
           output     OutputSink (RecordingSink on a verifier): emits with stop checks, releases
                      finished requests through memory;
           round      VeriCacheRound (VeriCache modes and the verifier): plan, draft, verify,
                      accept, commit over memory, output, the forward, the two tiers and the link;
           spec_worker  the driver that schedules rounds: lock-step, staggered (its bookings go back
-                     through memory.on_leave), or the remote drafter."""
+                     through memory.on_leave), or the remote drafter;
+          prefill_adder  PrefillAdder: admission through memory (a retraction tells it through
+                     memory.on_retract), with the adaptive driver's admission_gate;
+          remote_prefill  RemotePrefill (--disagg-prefill verifier): admission instead of prefill,
+                     through memory, output and the remote drafter's worker."""
         args = self.server_args
         self.memory = RequestMemory(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size,
-                                    self.two_tier, self.running, self.waiting_queue, self.prefill_adder,
-                                    self.metrics)
+                                    self.two_tier, self.running, self.waiting_queue, self.metrics)
         sink = RecordingSink if args.disagg_role == "verifier" else OutputSink
         self.output = sink(self.memory, self.running, self.metrics, self.eos_token_ids, self.tokenizer,
                            self.context_len)
-        self.round = self.spec_worker = None
+        vericache = self.mode == "vericache"
+        self.round = self.make_round() if vericache or args.disagg_role == "verifier" else None
+        self.spec_worker = self.make_spec_worker() if vericache else None
+        if vericache and (args.staggered or args.adaptive):
+            self.memory.on_leave = self.spec_worker.cancel
         # Admission beyond memory (schedule_policy.py): the adaptive controller's say, if any.
-        self.admission_gate = None
-        if self.mode == "vericache" or args.disagg_role == "verifier":
-            self.round = self.make_round()
-        if self.mode != "vericache":
-            return
+        self.admission_gate = self.spec_worker.admits if vericache and args.adaptive else None
+        self.prefill_adder = PrefillAdder(args, self.waiting_queue, self.running, self.req_to_token_pool,
+                                          self.allocator, self.tree_cache, self.memory, self.metrics,
+                                          self.two_tier, self.prefix_store, self.admission_gate)
+        self.memory.on_retract = self.prefill_adder.on_retract
+        self.remote_prefill = None
+        if args.disagg_prefill == "verifier":  # the verifier prefills (remote prefix caching)
+            from sglang_vericache.disagg.remote_prefill import RemotePrefill
+
+            self.remote_prefill = RemotePrefill(
+                args, self.waiting_queue, self.running, self.req_to_token_pool, self.allocator,
+                self.model_runner.token_to_kv_pool, self.tree_cache, self.two_tier, self.memory, self.output,
+                self.metrics, self.spec_worker, self.prefix_store, self.recv_socket)
+
+    def make_spec_worker(self):
+        """The driver of VeriCache rounds: the remote drafter, staggered, adaptive or lock-step."""
+        args = self.server_args
         if args.disagg_role == "drafter":  # dual-instance (disagg/): verification on a remote verifier
             from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
 
-            self.spec_worker = RemoteVerifyWorker(args, self.round, self.memory, self.running,
-                                                  self.model_runner.token_to_kv_pool, self.abort,
-                                                  self.recv_socket, self.prefix_store)
-        elif args.staggered:
+            return RemoteVerifyWorker(args, self.round, self.memory, self.running,
+                                      self.model_runner.token_to_kv_pool, self.abort, self.recv_socket,
+                                      self.prefix_store)
+        if args.staggered:
             from sglang_vericache.speculative.stagger import StaggeredVeriCache
 
-            self.spec_worker = StaggeredVeriCache(self.round, self.memory, self.running, self.link)
-            self.memory.on_leave = self.spec_worker.cancel
-        elif args.adaptive:
+            return StaggeredVeriCache(self.round, self.memory, self.running, self.link)
+        if args.adaptive:
             from sglang_vericache.speculative.adaptive import AdaptiveVeriCache
 
-            self.spec_worker = AdaptiveVeriCache(args, self.round, self.memory, self.running, self.link,
-                                                 self.two_tier, self.model_runner, self.page_size)
-            self.memory.on_leave = self.spec_worker.cancel
-            self.admission_gate = self.spec_worker.admits
-        else:
-            from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
+            return AdaptiveVeriCache(args, self.round, self.memory, self.running, self.link, self.two_tier,
+                                     self.model_runner, self.page_size)
+        from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
 
-            self.spec_worker = VeriCacheWorker(self.round, self.memory, self.running, self.link)
+        return VeriCacheWorker(self.round, self.memory, self.running, self.link)
 
     def make_round(self):
         from sglang_vericache.speculative.acceptance import DraftLengthPolicy
@@ -196,71 +210,6 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
     @outbox.setter
     def outbox(self, value: list[ReqOutput]) -> None:
         self.output.outbox = value
-
-    # ------------------------------------------------------------------ limits
-
-    @property
-    def max_req_len(self) -> int:
-        """Longest prompt + output one request may reach: the context, the pool less a page, and
-        (when exact KV streams over a link) what one verification may stage."""
-        limit = min(self.context_len, self.max_total_num_tokens - self.page_size)
-        if self.server_args.uses_link:
-            limit = min(limit, self.server_args.verify_staging_tokens)
-        return limit
-
-    def ready_message(self) -> SchedulerReady:
-        mc = self.model_runner.model_config
-        return SchedulerReady(
-            max_total_num_tokens=self.max_total_num_tokens,
-            max_req_input_len=self.max_req_len - 1,
-            context_length=self.context_len,
-            vocab_size=self.vocab_size,
-            server_info={
-                "max_total_num_tokens": self.max_total_num_tokens,
-                "page_size": self.page_size,
-                "context_length": self.context_len,
-                "vocab_size": self.vocab_size,
-                "dtype": str(mc.dtype).replace("torch.", ""),
-                "num_hidden_layers": mc.num_hidden_layers,
-                "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
-                "grammar_backend": "xgrammar" if self.grammar_backend is not None else None,
-                "enable_deterministic_inference": bool(self.server_args.enable_deterministic_inference),
-                "batch_invariant_linear": self.model_runner.batch_invariant_linear_name(),
-                **self.tier_info(),
-            },
-        )
-
-    def tier_info(self) -> dict:
-        """Each KV tier's budget: where it lives, and how much it holds."""
-        exact = self.model_runner.token_to_kv_pool
-        info = {
-            "kv_mode": self.mode,
-            "exact_tier": {
-                "where": "device" if self.mode == "full" else "host",
-                "tokens": self.max_total_num_tokens,
-                "bytes": self.max_total_num_tokens * exact.bytes_per_token(),
-            },
-        }
-        if self.two_tier is not None:
-            pool = self.two_tier.pool
-            info["compressed_tier"] = {
-                "where": "device",
-                "compressor": self.server_args.kv_compressor,
-                "chunks": pool.num_chunks,
-                "tokens": pool.num_chunks * self.page_size,
-                "bytes": pool.num_chunks * pool.bytes_per_chunk(),
-                "effective_ratio": round(self.two_tier.compressor.effective_ratio(), 3),
-            }
-        if self.prefix_store is not None:
-            info["kv_store"] = self.prefix_store.info()
-        if self.server_args.disagg_role == "drafter":
-            args = self.server_args
-            info["disagg"] = {"role": "drafter", "verifier_addr": args.verifier_addr, "prefill": args.disagg_prefill,
-                              "bandwidth": args.disagg_bandwidth}
-        if self.spec_worker is not None:
-            info["speculative_algorithm"] = "VERICACHE"
-            info["speculative_num_draft_tokens"] = self.server_args.speculative_num_draft_tokens
-        return info
 
     # ------------------------------------------------------------------ event loop
 
@@ -383,7 +332,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin):
             else:
                 self.remote_prefill.wait()
             return
-        batch = self.prefill_adder.build()
+        batch = self.prefill_adder.build(self.chunked_req)
         if batch:
             self.run_extend(batch)
         elif self.running:

@@ -96,7 +96,7 @@ class SchedulerForwardMixin:
             return
         self.memory.make_room(lambda r: 1)
         if self.mode == "lossy":
-            self.two_tier.lossy_step(list(self.running))
+            self.lossy_decode_step(list(self.running))
             return
         # Naive offload streams each group's whole exact context from the host at every step.
         for reqs in [list(self.running)] if self.link is None else self.link.split(list(self.running)):
@@ -117,6 +117,24 @@ class SchedulerForwardMixin:
         logits = self.forward(fb, "decode")
         for req in reqs:
             req.kv_committed_len += 1
+        self.sample_and_append(reqs, logits)
+
+    def lossy_decode_step(self, reqs: list[Req]) -> None:
+        """One decode step from the compressed tier alone (the baseline VeriCache must beat):
+        the new token's KV joins the tail and is folded like exact KV."""
+        tt = self.two_tier
+        out_loc = [self.memory.alloc_slots(r, 1) for r in reqs]
+        fb = make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in reqs],
+                                [r.output_ids[-1] for r in reqs], [r.seqlen - 1 for r in reqs],
+                                torch.cat(out_loc))
+        fb.draft_ctx = tt.draft_context(reqs, new_kv="exact")
+        fb.captured_q = {} if tt.needs_queries else None
+        logits = self.forward(fb, "lossy")
+        for i, r in enumerate(reqs):
+            r.kv_committed_len += 1
+            if fb.captured_q is not None:
+                tt.record_queries(r, fb.captured_q, slice(i, i + 1))
+            tt.fold(r)
         self.sample_and_append(reqs, logits)
 
     # ------------------------------------------------------------------ shared

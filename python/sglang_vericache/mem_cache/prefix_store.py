@@ -45,7 +45,8 @@ from sglang_vericache.mem_cache.storage.serialize import compressed_page_spec, e
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.mem_cache.two_tier import TwoTierKV
+    from sglang_vericache.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -90,26 +91,35 @@ def model_identity(model_path: str) -> str:
 
 
 class PrefixStore:
-    def __init__(self, scheduler: Scheduler, store=None):
-        s = self.s = scheduler
-        args = s.server_args
-        self.page_size = P = s.page_size
+    """Built by the scheduler after its radix tree: reads and writes the exact pool (kv_pool through
+    req_to_token_pool's rows), the compressed pool (two_tier), and inserts loaded pages into
+    tree_cache (allocating slots from allocator)."""
+
+    def __init__(self, args: ServerArgs, req_to_token_pool, allocator, kv_pool, tree_cache,
+                 two_tier: TwoTierKV | None, store=None):
+        self.args = args
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.kv_pool = kv_pool
+        self.tree_cache = tree_cache
+        self.two_tier = two_tier
+        self.page_size = P = args.page_size
         self.store = store if store is not None else create_store(
             args.kv_store, path=args.kv_store_path, url=args.kv_store_url, capacity=args.kv_store_capacity,
             bandwidth=args.kv_store_bandwidth, timeout_s=args.kv_store_timeout,
         )
         self.tiers = args.kv_store_tier_set
         model = model_identity(args.model_path)
-        kv = s.model_runner.token_to_kv_pool
-        dtype = str(kv.dtype).removeprefix("torch.")
+        dtype = str(kv_pool.dtype).removeprefix("torch.")
         self.exact = self.comp = None
         if "exact" in self.tiers:
-            spec = exact_page_spec(kv.num_layers, P, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.v_head_dim)
+            spec = exact_page_spec(kv_pool.num_layers, P, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
+                                   kv_pool.v_head_dim)
             self.exact = PageStore(self.store, StoreNamespace(model, "exact", P, dtype), spec)
         if "compressed" in self.tiers:
-            assert s.two_tier is not None, "server args refuse a compressed store tier in full mode"
+            assert two_tier is not None, "server args refuse a compressed store tier in full mode"
             ns = StoreNamespace(model, "compressed", P, dtype, args.kv_compressor, args.kv_compression_ratio)
-            self.comp = PageStore(self.store, ns, compressed_page_spec(s.two_tier.pool.layouts))
+            self.comp = PageStore(self.store, ns, compressed_page_spec(two_tier.pool.layouts))
         self.stats = {t: TierStats() for t in self.tiers}
         self.tokens_loaded = 0
         self._skip: tuple | None = None  # (rid, tree pages, comp pages) of a lookup that found all it could
@@ -125,13 +135,13 @@ class PrefixStore:
             return
         tokens = req.fill_ids[: n_pages * P]
         if self.exact is not None:
-            row = self.s.req_to_token_pool.req_to_token[req.req_pool_idx]
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
             self._put(self.exact, "exact", tokens, lambda lo, hi: read_exact_pages(
-                self.s.model_runner.token_to_kv_pool, row[lo * P : hi * P], P))
+                self.kv_pool, row[lo * P : hi * P], P))
         if self.comp is not None:
             n_comp = min(len(req.comp_indices), n_pages)
             self._put(self.comp, "compressed", tokens[: n_comp * P], lambda lo, hi: read_compressed_pages(
-                self.s.two_tier.pool, req.comp_indices[lo:hi]))
+                self.two_tier.pool, req.comp_indices[lo:hi]))
 
     def _put(self, ps: PageStore, tier: str, tokens: list[int], read) -> None:
         t0, bytes0 = time.perf_counter(), self.store.stats.bytes_in
@@ -149,18 +159,18 @@ class PrefixStore:
         """Loads stored pages past the tree's match of req's prefix into the pools and the tree;
         -> exact tokens loaded. room: pool tokens admission could still give req (free + evictable
         - reserves); the load leaves a page of it for the prompt's tail."""
-        s, tree, P = self.s, self.s.tree_cache, self.page_size
+        tree, P = self.tree_cache, self.page_size
         if tree.disable:
             return 0
         key = req.fill_ids[: req.max_prefix_len()]
         n_pages = len(key) // P
         match = tree.match_prefix(key, record_stats=False)
         c = len(match.device_indices) // P
-        cc = len(match.comp_indices) if s.two_tier is not None else 0
+        cc = len(match.comp_indices) if self.two_tier is not None else 0
         state = (req.rid, c, cc)
         if self._skip == state or (c == n_pages and (self.comp is None or cc == c)):
             return 0
-        two_tier = s.two_tier is not None
+        two_tier = self.two_tier is not None
         tree.inc_lock_ref(match.last_node)  # the matched path must survive the evictions below
         if two_tier:
             tree.inc_comp_lock_ref(match.last_node)
@@ -173,10 +183,10 @@ class PrefixStore:
                 if two_tier:
                     res = tree.insert(key[: e * P], value, torch.cat([match.comp_indices.cpu(), ids]))
                     n_old, dup_comp = res.prefix_len, res.dup_comp
-                    s.two_tier.pool.free(dup_comp)  # empty: the store's pages extend the match
+                    self.two_tier.pool.free(dup_comp)  # empty: the store's pages extend the match
                 else:
                     n_old = tree.insert(key[: e * P], value)
-                s.allocator.free(value[c * P : n_old])  # empty likewise (single-threaded tree)
+                self.allocator.free(value[c * P : n_old])  # empty likewise (single-threaded tree)
         finally:
             tree.dec_lock_ref(match.last_node)
             if two_tier:
@@ -193,7 +203,7 @@ class PrefixStore:
 
     def _load_exact(self, key: list[int], c: int, n_pages: int, room: int) -> tuple[torch.Tensor, bool]:
         """Exact pages [c, ...) of key from the store into new slots; -> (slots, limited by room)."""
-        P, s = self.page_size, self.s
+        P = self.page_size
         if self.exact is None or c >= n_pages:
             return _EMPTY, False
         # Pages that fit in the pool beside the tree's match and a page of the prompt's tail. No
@@ -207,20 +217,20 @@ class PrefixStore:
         present = self.exact.match_prefix(keys)
         st.pages_missed += len(keys) - present
         cap = min(present, fit)
-        short = cap * P - s.allocator.available_size()
+        short = cap * P - self.allocator.available_size()
         if short > 0:
-            s.tree_cache.evict(short)
-        n = min(cap, s.allocator.available_size() // P)
+            self.tree_cache.evict(short)
+        n = min(cap, self.allocator.available_size() // P)
         st.pages_skipped += present - n
         if n == 0:
             st.read_seconds += time.perf_counter() - t0
             return _EMPTY, present > 0
-        pages = torch.tensor(s.allocator.alloc_pages(n), dtype=torch.int64)
+        pages = torch.tensor(self.allocator.alloc_pages(n), dtype=torch.int64)
         slots = (pages[:, None] * P + torch.arange(P)).flatten()
         payloads = self.exact.get_pages(keys[:n])
         m = len(payloads)
-        write_exact_pages(s.model_runner.token_to_kv_pool, slots[: m * P], payloads)
-        s.allocator.free(slots[m * P :])
+        write_exact_pages(self.kv_pool, slots[: m * P], payloads)
+        self.allocator.free(slots[m * P :])
         st.pages_hit += m
         st.pages_missed += n - m  # gone or unreadable since match_prefix
         st.bytes_read += self.store.stats.bytes_out - bytes0
@@ -246,9 +256,9 @@ class PrefixStore:
     def install_compressed(self, payloads: list, nbytes: int, seconds: float) -> torch.Tensor:
         """New chunk ids holding payloads, as many as the pool has room for (the rest skipped)."""
         st = self.stats["compressed"]
-        pool = self.s.two_tier.pool
-        n = min(len(payloads), pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks())
-        ids = self.s.two_tier.alloc_chunks(n) if n else None
+        pool = self.two_tier.pool
+        n = min(len(payloads), pool.available_chunks() + self.tree_cache.comp_evictable_chunks())
+        ids = self.two_tier.alloc_chunks(n) if n else None
         if ids is None:
             n, ids = 0, _EMPTY
         write_compressed_pages(pool, ids, payloads[:n])
@@ -260,7 +270,7 @@ class PrefixStore:
 
     def _load_comp(self, keys: list[str]) -> torch.Tensor:
         """Compressed chunks of the stored run of pages keys into new chunk ids (as many as fit)."""
-        room = self.s.two_tier.pool.available_chunks() + self.s.tree_cache.comp_evictable_chunks()
+        room = self.two_tier.pool.available_chunks() + self.tree_cache.comp_evictable_chunks()
         return self.install_compressed(*self.fetch_compressed(keys, cap=room))
 
     # ------------------------------------------------------------------ reporting
@@ -281,7 +291,7 @@ class PrefixStore:
         return out
 
     def info(self) -> dict:
-        args = self.s.server_args
+        args = self.args
         where = args.kv_store_path if args.kv_store == "file" else args.kv_store_url
         return {"kind": args.kv_store, "where": where, "tiers": list(self.tiers),
                 "capacity": args.kv_store_capacity, "bandwidth": args.kv_store_bandwidth}

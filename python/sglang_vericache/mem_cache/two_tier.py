@@ -22,7 +22,8 @@ from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-    from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.model_executor.model_runner import ModelRunner
+    from sglang_vericache.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -30,50 +31,54 @@ DEFAULT_COMP_CHUNKS = 4096
 
 
 class TwoTierKV:
-    def __init__(self, scheduler: Scheduler):
-        s = scheduler
-        args, mc = s.server_args, s.model_runner.model_config
-        self.s = s
-        self.page_size = s.page_size
+    """The compressed tier of a two-tier instance. Built from the server args and the model runner
+    (its pools and model config); tree_cache, the two-tier radix cache built over this tier's pool,
+    is set once right after (Scheduler.__init__): folding and admission evict its unlocked chunks."""
+
+    def __init__(self, args: ServerArgs, model_runner: ModelRunner):
+        mc = model_runner.model_config
+        self.page_size = args.page_size
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.kv_pool = model_runner.token_to_kv_pool
+        self.max_draft_tokens = args.max_draft_tokens
+        self.tree_cache = None
         cfg = CompressorConfig.from_model_config(
-            args.kv_compressor, args.kv_compression_ratio, s.page_size, mc,
-            dtype=s.model_runner.token_to_kv_pool.dtype,
+            args.kv_compressor, args.kv_compression_ratio, self.page_size, mc, dtype=self.kv_pool.dtype,
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers
         device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
             device_bytes = parse_bytes(args.device_kv_budget, flag)
-        elif s.model_runner.static_kv_bytes is not None:
-            device_bytes, flag = s.model_runner.static_kv_bytes, "--mem-fraction-static"
+        elif model_runner.static_kv_bytes is not None:
+            device_bytes, flag = model_runner.static_kv_bytes, "--mem-fraction-static"
         if device_bytes is not None:
-            budget = device_bytes - self.device_overhead_bytes(s)
+            budget = device_bytes - self.device_overhead_bytes(args, model_runner)
             num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, max(budget, 0))
         else:
-            num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * s.max_total_num_tokens // s.page_size)
+            num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * model_runner.max_total_num_tokens // self.page_size)
         if num_chunks < 1:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
-        self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=s.model_runner.device)
+        self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
         self.needs_queries = any(w > 0 for w in self.windows)
         logger.info(
             "compressed tier: %s, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
-            args.kv_compressor, num_chunks, s.page_size, self.pool.size_bytes() / 2**20,
+            args.kv_compressor, num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
             self.compressor.effective_ratio(),
         )
 
     @staticmethod
-    def device_overhead_bytes(s: Scheduler) -> int:
+    def device_overhead_bytes(args: ServerArgs, model_runner: ModelRunner) -> int:
         """Accelerator KV memory besides the compressed tier: the drafts' scratch KV and the
         double-buffered staging area of streamed verification."""
-        args = s.server_args
-        per_token = s.model_runner.token_to_kv_pool.bytes_per_token()  # all layers
+        per_token = model_runner.token_to_kv_pool.bytes_per_token()  # all layers
         total = 0
         # Adaptive VeriCache counts the drafts' scratch per drafting request (mem_cache/placement.py).
         if args.kv_mode == "vericache" and not args.adaptive:
-            total += (1 + s.req_to_token_pool.size * (args.max_draft_tokens + 1)) * per_token
+            total += (1 + model_runner.req_to_token_pool.size * (args.max_draft_tokens + 1)) * per_token
         if args.uses_link:
-            total += 2 * args.verify_staging_tokens * per_token // s.model_runner.model_config.num_hidden_layers
+            total += 2 * args.verify_staging_tokens * per_token // model_runner.model_config.num_hidden_layers
         return total
 
     # ------------------------------------------------------------------ queries
@@ -99,7 +104,7 @@ class TwoTierKV:
         ids = self.alloc_chunks(p - c)
         if ids is None:
             return False
-        slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, c * ps : p * ps]
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, c * ps : p * ps]
         queries = None
         if self.needs_queries:
             queries = []
@@ -113,7 +118,7 @@ class TwoTierKV:
             for layer in list(req.q_hist):
                 req.q_hist[layer] = req.q_hist[layer][(p - c) * ps :]
         positions = torch.arange(c * ps, p * ps, dtype=torch.int64)
-        compress_pages(self.compressor, self.s.model_runner.token_to_kv_pool, self.pool, slots, ids,
+        compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
                        positions=positions, queries=queries)
         req.comp_indices = torch.cat([req.comp_indices, ids])
         return True
@@ -121,7 +126,7 @@ class TwoTierKV:
     def alloc_chunks(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.available_chunks()
         if short > 0:
-            self.s.tree_cache.evict_compressed(short)
+            self.tree_cache.evict_compressed(short)
         return self.pool.alloc(n)
 
     # ------------------------------------------------------------------ admission and memory
@@ -138,23 +143,23 @@ class TwoTierKV:
             page_size=match.page_size,
         )
 
-    def can_admit(self, req: Req, match, n: int, batch: list) -> bool:
+    def can_admit(self, req: Req, match, n: int, batch: list, running: list[Req],
+                  chunked_req: Req | None) -> bool:
         """Whether the compressed tier can take req's prompt pages, on top of the pages the
         batch and the chunked prefill still need and a page per running request."""
         ps = self.page_size
-        s = self.s
 
         def pages_left(r: Req, have: int) -> int:
             return 0 if r.spec.decode_only else max(0, r.prefill_target_len() // ps - have)
 
         need = pages_left(req, len(match.comp_indices))
         need += sum(pages_left(r, len(r.comp_indices)) for r, _ in batch)
-        if s.chunked_req is not None and all(r is not s.chunked_req for r, _ in batch):
-            need += pages_left(s.chunked_req, len(s.chunked_req.comp_indices))
-        need += len(s.running) * (1 + (s.server_args.max_draft_tokens + ps - 1) // ps)
+        if chunked_req is not None and all(r is not chunked_req for r, _ in batch):
+            need += pages_left(chunked_req, len(chunked_req.comp_indices))
+        need += len(running) * (1 + (self.max_draft_tokens + ps - 1) // ps)
         # The matched chunks are about to be locked: they stop being evictable (conservatively
         # assume they are evictable now, so they are not counted twice).
-        free = self.pool.available_chunks() + s.tree_cache.comp_evictable_chunks() - len(match.comp_indices)
+        free = self.pool.available_chunks() + self.tree_cache.comp_evictable_chunks() - len(match.comp_indices)
         return need <= free
 
     def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
@@ -164,7 +169,7 @@ class TwoTierKV:
                    if not r.spec.decode_only)
         short = need - self.pool.available_chunks()
         if short > 0:
-            self.s.tree_cache.evict_compressed(short)
+            self.tree_cache.evict_compressed(short)
         return need <= self.pool.available_chunks()
 
     # ------------------------------------------------------------------ drafting context
@@ -182,24 +187,3 @@ class TwoTierKV:
             draft_slots=draft_slots,
             new_kv=new_kv,
         )
-
-    def lossy_step(self, reqs: list[Req]) -> None:
-        """One decode step from the compressed tier alone (the baseline VeriCache must beat):
-        the new token's KV joins the tail and is folded like exact KV."""
-        from sglang_vericache.managers.scheduler_forward import make_forward_batch
-        from sglang_vericache.model_executor.forward_batch import ForwardMode
-
-        s = self.s
-        out_loc = [s.memory.alloc_slots(r, 1) for r in reqs]
-        fb = make_forward_batch(ForwardMode.DRAFT_DECODE, [(r, 1) for r in reqs],
-                                [r.output_ids[-1] for r in reqs], [r.seqlen - 1 for r in reqs],
-                                torch.cat(out_loc))
-        fb.draft_ctx = self.draft_context(reqs, new_kv="exact")
-        fb.captured_q = {} if self.needs_queries else None
-        logits = s.forward(fb, "lossy")
-        for i, r in enumerate(reqs):
-            r.kv_committed_len += 1
-            if fb.captured_q is not None:
-                self.record_queries(r, fb.captured_q, slice(i, i + 1))
-            self.fold(r)
-        s.sample_and_append(reqs, logits)

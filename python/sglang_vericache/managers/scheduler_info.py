@@ -1,0 +1,71 @@
+"""SchedulerInfoMixin: what the scheduler reports of itself: the longest request it takes, the
+ready message the TokenizerManager waits for (sizes, dtype, modes) and each KV tier's budget."""
+
+from __future__ import annotations
+
+from sglang_vericache.managers.io_struct import SchedulerReady
+
+
+class SchedulerInfoMixin:
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt + output one request may reach: the context, the pool less a page, and
+        (when exact KV streams over a link) what one verification may stage."""
+        limit = min(self.context_len, self.max_total_num_tokens - self.page_size)
+        if self.server_args.uses_link:
+            limit = min(limit, self.server_args.verify_staging_tokens)
+        return limit
+
+    def ready_message(self) -> SchedulerReady:
+        mc = self.model_runner.model_config
+        return SchedulerReady(
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_req_input_len=self.max_req_len - 1,
+            context_length=self.context_len,
+            vocab_size=self.vocab_size,
+            server_info={
+                "max_total_num_tokens": self.max_total_num_tokens,
+                "page_size": self.page_size,
+                "context_length": self.context_len,
+                "vocab_size": self.vocab_size,
+                "dtype": str(mc.dtype).replace("torch.", ""),
+                "num_hidden_layers": mc.num_hidden_layers,
+                "kv_bytes_per_token": self.model_runner.token_to_kv_pool.bytes_per_token(),
+                "grammar_backend": "xgrammar" if self.grammar_backend is not None else None,
+                "enable_deterministic_inference": bool(self.server_args.enable_deterministic_inference),
+                "batch_invariant_linear": self.model_runner.batch_invariant_linear_name(),
+                **self.tier_info(),
+            },
+        )
+
+    def tier_info(self) -> dict:
+        """Each KV tier's budget: where it lives, and how much it holds."""
+        exact = self.model_runner.token_to_kv_pool
+        info = {
+            "kv_mode": self.mode,
+            "exact_tier": {
+                "where": "device" if self.mode == "full" else "host",
+                "tokens": self.max_total_num_tokens,
+                "bytes": self.max_total_num_tokens * exact.bytes_per_token(),
+            },
+        }
+        if self.two_tier is not None:
+            pool = self.two_tier.pool
+            info["compressed_tier"] = {
+                "where": "device",
+                "compressor": self.server_args.kv_compressor,
+                "chunks": pool.num_chunks,
+                "tokens": pool.num_chunks * self.page_size,
+                "bytes": pool.num_chunks * pool.bytes_per_chunk(),
+                "effective_ratio": round(self.two_tier.compressor.effective_ratio(), 3),
+            }
+        if self.prefix_store is not None:
+            info["kv_store"] = self.prefix_store.info()
+        if self.server_args.disagg_role == "drafter":
+            args = self.server_args
+            info["disagg"] = {"role": "drafter", "verifier_addr": args.verifier_addr, "prefill": args.disagg_prefill,
+                              "bandwidth": args.disagg_bandwidth}
+        if self.spec_worker is not None:
+            info["speculative_algorithm"] = "VERICACHE"
+            info["speculative_num_draft_tokens"] = self.server_args.speculative_num_draft_tokens
+        return info
