@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +45,22 @@ class TreeNode:
 class MatchResult:
     device_indices: torch.Tensor  # int64 slots of the matched page-aligned prefix
     last_node: TreeNode  # deepest matched node (the root on a miss)
+
+
+def evict_lru(leaves: list, need: int, free: Callable[[Any], int], next_leaf: Callable[[Any], Any]) -> int:
+    """The loop of every tree eviction: frees the least recently used of leaves (free(node) -> units
+    freed) until need units are freed; next_leaf(node) -> the parent that node's going made an
+    evictable leaf, or None. Returns the units freed."""
+    heap = [(n.last_access_time, n.id, n) for n in leaves]
+    heapq.heapify(heap)
+    freed = 0
+    while freed < need and heap:
+        _, _, node = heapq.heappop(heap)
+        freed += free(node)
+        parent = next_leaf(node)
+        if parent is not None:
+            heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+    return freed
 
 
 class RadixCache:
@@ -106,49 +123,53 @@ class RadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Locks the path root..node; returns the change of evictable_size()."""
-        if self.disable:
-            return 0
-        delta = 0
-        while node is not self.root_node:
-            if node.lock_ref == 0:
-                self.evictable_size_ -= len(node.key)
-                self.protected_size_ += len(node.key)
-                delta -= len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-        return delta
+        return self._add_lock_ref(node, 1)
 
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Unlocks the path root..node; returns the change of evictable_size()."""
+        return self._add_lock_ref(node, -1)
+
+    def _add_lock_ref(self, node: TreeNode, d: int) -> int:
         if self.disable:
             return 0
         delta = 0
         while node is not self.root_node:
-            assert node.lock_ref > 0, f"dec_lock_ref on unlocked {node}"
-            if node.lock_ref == 1:
-                self.evictable_size_ += len(node.key)
-                self.protected_size_ -= len(node.key)
-                delta += len(node.key)
-            node.lock_ref -= 1
+            assert node.lock_ref + d >= 0, f"dec_lock_ref on unlocked {node}"
+            was_locked = node.lock_ref > 0
+            node.lock_ref += d
+            if (node.lock_ref > 0) != was_locked:
+                sign = 1 if was_locked else -1  # +1: becomes evictable
+                self.evictable_size_ += sign * len(node.key)
+                self.protected_size_ -= sign * len(node.key)
+                delta += sign * len(node.key)
             node = node.parent
         return delta
 
     def evict(self, num_tokens: int) -> int:
-        """Frees least-recently-used unlocked leaves until >= num_tokens freed; returns the count."""
+        """Frees least-recently-used unpinned leaves (and what goes with them, _on_evict) until
+        >= num_tokens exact tokens are freed; returns the count."""
         if self.disable:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._collect_leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+
+        def free(node: TreeNode) -> int:
             self.token_to_kv_pool_allocator.free(node.value)
-            num_evicted += len(node.value)
+            self._on_evict(node)
             self._delete_leaf(node)
-            parent = node.parent
-            if not parent.children and parent.lock_ref == 0:  # the root has lock_ref 1
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        return num_evicted
+            return len(node.value)
+
+        def next_leaf(node: TreeNode) -> TreeNode | None:
+            parent = node.parent  # the root is pinned (lock_ref 1)
+            return parent if not parent.children and not self._pinned(parent) else None
+
+        leaves = [n for n in self._collect_leaves() if not self._pinned(n)]
+        return evict_lru(leaves, num_tokens, free, next_leaf)
+
+    def _pinned(self, node: TreeNode) -> bool:
+        """Whether evict must keep node's exact KV: a request holds it."""
+        return node.lock_ref > 0
+
+    def _on_evict(self, node: TreeNode) -> None:
+        """Called for each evicted leaf after its exact slots are freed (the two-tier tree drops its comp)."""
 
     def evictable_size(self) -> int:
         return self.evictable_size_

@@ -26,13 +26,12 @@ free the duplicates that insert()/set_comp() return.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang_vericache.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
+from sglang_vericache.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode, evict_lru
 
 if TYPE_CHECKING:
     from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
@@ -157,40 +156,20 @@ class TwoTierRadixCache(RadixCache):
     def dec_comp_lock_ref(self, node: TreeNode) -> int:
         return self._lock_path(node, 0, -1)[1]
 
-    def evict(self, num_tokens: int) -> int:
-        """Exact tier: frees LRU leaves unpinned in both tiers, their exact slots and their comp,
-        until >= num_tokens exact tokens are freed; returns that count."""
-        if self.disable:
-            return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._collect_leaves() if not self._pinned(n)]
-        heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(node.value)
-            num_evicted += len(node.value)
-            self._drop_comp(node)
-            self._delete_leaf(node)
-            parent = node.parent
-            if not parent.children and not self._pinned(parent):  # the root is pinned
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        return num_evicted
-
     def evict_compressed(self, num_chunks: int) -> int:
         """Compressed tier: drops the comp of LRU unlocked nodes that have no child with comp,
         until >= num_chunks ids are freed; exact KV stays. Returns the count."""
         if self.disable:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._comp_leaves() if n.comp_lock_ref == 0]
-        heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < num_chunks and heap:
-            _, _, node = heapq.heappop(heap)
-            num_evicted += self._drop_comp(node)
+
+        def next_leaf(node: TreeNode) -> TreeNode | None:
             parent = node.parent
             if parent.comp is not None and parent.comp_lock_ref == 0 and self._is_comp_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        return num_evicted
+                return parent
+            return None
+
+        leaves = [n for n in self._comp_leaves() if n.comp_lock_ref == 0]
+        return evict_lru(leaves, num_chunks, self._drop_comp, next_leaf)
 
     def comp_evictable_chunks(self) -> int:
         return self.comp_evictable_chunks_
@@ -288,7 +267,12 @@ class TwoTierRadixCache(RadixCache):
         return path[::-1]
 
     def _pinned(self, node: TreeNode) -> bool:
+        """Exact KV stays while either tier is locked (invariant L)."""
         return node.lock_ref > 0 or node.comp_lock_ref > 0
+
+    def _on_evict(self, node: TreeNode) -> None:
+        """evict (exact tier) frees LRU leaves unpinned in both tiers: their comp goes too."""
+        self._drop_comp(node)
 
     def _lock_path(self, node: TreeNode, d_exact: int, d_comp: int) -> tuple[int, int]:
         """Adds to both counters along root..node; returns the changes of (evictable_size,
