@@ -40,8 +40,8 @@ from sglang_vericache.entrypoints.openai.utils import (
     SSE_DONE,
     finish_reason_of,
     json_response,
-    normalize_stop,
     response_format_schema,
+    sampling_params_of,
     sse,
     usage_of,
 )
@@ -116,30 +116,16 @@ def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, plan:
     top_logprobs = req.top_logprobs or 0
     if top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true")
-    params = {
-        "max_new_tokens": max_new,
-        "min_new_tokens": req.min_tokens,
-        "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": -1 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "stop": normalize_stop(req.stop),
-        "stop_token_ids": req.stop_token_ids,
-        "stop_regex": req.stop_regex,
-        "regex": req.regex,
-        "json_schema": plan.json_schema if plan is not None and plan.constrained
-        else response_format_schema(req.response_format),
-        "ebnf": req.ebnf,
-        "ignore_eos": req.ignore_eos,
-        "no_stop_trim": req.no_stop_trim,
-        "skip_special_tokens": req.skip_special_tokens,
-        "sampling_seed": req.seed,
-        "logit_bias": req.logit_bias,
-    }
+    constrained = plan is not None and plan.constrained
+    schema = plan.json_schema if constrained else response_format_schema(req.response_format)
+    params = sampling_params_of(
+        req, max_new, schema,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+    )
     obj = GenerateReqInput(
         input_ids=input_ids,
         sampling_params=params,

@@ -21,8 +21,8 @@ from sglang_vericache.entrypoints.openai.utils import (
     completion_logprobs,
     finish_reason_of,
     json_response,
-    normalize_stop,
     response_format_schema,
+    sampling_params_of,
     sse,
     usage_of,
 )
@@ -51,29 +51,11 @@ def build_generate_input(req: CompletionRequest) -> tuple[GenerateReqInput, list
         prompts = list(prompt)
     if not prompts:
         raise InvalidRequest("prompt is empty")
-    params = {
-        "max_new_tokens": req.max_tokens,
-        "min_new_tokens": req.min_tokens,
-        "n": req.n,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "stop": normalize_stop(req.stop),
-        "stop_token_ids": req.stop_token_ids,
-        "stop_regex": req.stop_regex,
-        "regex": req.regex,
-        "json_schema": req.json_schema or response_format_schema(req.response_format),
-        "ebnf": req.ebnf,
-        "ignore_eos": req.ignore_eos,
-        "no_stop_trim": req.no_stop_trim,
-        "skip_special_tokens": req.skip_special_tokens,
-        "sampling_seed": req.seed,
-        "logit_bias": req.logit_bias,
-    }
+    params = sampling_params_of(
+        req, req.max_tokens, req.json_schema or response_format_schema(req.response_format),
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+    )
     return_logprob = req.logprobs is not None
     obj = GenerateReqInput(
         sampling_params=params,

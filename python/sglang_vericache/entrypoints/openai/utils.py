@@ -1,4 +1,5 @@
-"""Shared pieces of the OpenAI-compatible endpoints: errors, finish reasons, usage, logprobs, SSE."""
+"""Shared pieces of the OpenAI-compatible endpoints: errors, finish reasons, usage, logprobs, SSE,
+and the sampling params a chat or completion request carries."""
 
 from __future__ import annotations
 
@@ -80,6 +81,31 @@ def normalize_stop(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_params_of(req, max_new_tokens: int | None, json_schema: str | None, **knobs) -> dict:
+    """SGLang sampling params of an OpenAI chat or completion request: the fields both read alike
+    (SGLang's extensions included), with max_new_tokens, json_schema and the knobs each endpoint
+    defaults its own way (temperature, top_p, top_k, min_p, repetition_penalty)."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        **knobs,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "stop": normalize_stop(req.stop),
+        "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
+        "regex": req.regex,
+        "json_schema": json_schema,
+        "ebnf": req.ebnf,
+        "ignore_eos": req.ignore_eos,
+        "no_stop_trim": req.no_stop_trim,
+        "skip_special_tokens": req.skip_special_tokens,
+        "sampling_seed": req.seed,
+        "logit_bias": req.logit_bias,
+    }
 
 
 def response_format_schema(response_format) -> str | None:
