@@ -382,3 +382,12 @@ def test_disagg_secret_flag_and_environment(monkeypatch):
         ServerArgs(skip_tokenizer_init=True, disagg_secret="x")
     with pytest.raises(ValueError, match="--disagg-secret must not be empty"):
         ServerArgs(**v, disagg_secret="")
+
+
+def test_server_info_says_only_whether_the_secret_is_set(monkeypatch):
+    """/server_info and Engine.get_server_info report ServerArgs.public_dict()."""
+    monkeypatch.delenv("SGLANG_VERICACHE_DISAGG_SECRET", raising=False)
+    v = dict(skip_tokenizer_init=True, disagg_role="verifier", disagg_port=5000)
+    assert ServerArgs(**v, disagg_secret="abc").public_dict()["disagg_secret"] == "<set>"
+    assert ServerArgs(**v).public_dict()["disagg_secret"] is None
+    assert "abc" not in repr(ServerArgs(**v, disagg_secret="abc").public_dict())

@@ -178,10 +178,7 @@ class Engine:
         import dataclasses
 
         stats = self._submit(self.tokenizer_manager.get_stats()).result()
-        info = dataclasses.asdict(self.server_args)
-        if info.get("disagg_secret") is not None:
-            info["disagg_secret"] = "<set>"  # never the secret itself
-        return {**info, "internal_states": [dataclasses.asdict(stats)]}
+        return {**self.server_args.public_dict(), "internal_states": [dataclasses.asdict(stats)]}
 
     def shutdown(self) -> None:
         if self._closed:

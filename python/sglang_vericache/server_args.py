@@ -201,6 +201,14 @@ class ServerArgs(ServerArgsChecks):
         return NgramConfig(self.speculative_ngram_min_match_window_size,
                            self.speculative_ngram_max_match_window_size, self.speculative_ngram_branch_length)
 
+    def public_dict(self) -> dict:
+        """The fields as /server_info and Engine.get_server_info report them: a set --disagg-secret
+        reads "<set>", never the secret itself."""
+        info = dataclasses.asdict(self)
+        if info["disagg_secret"] is not None:
+            info["disagg_secret"] = "<set>"
+        return info
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Adds every flag to parser (defined in server_args_cli.py)."""

@@ -61,7 +61,7 @@ async def server_info() -> Response:
     ready = m.ready
     return json_response(
         {
-            **dataclasses.asdict(m.server_args),
+            **m.server_args.public_dict(),  # the --disagg-secret reads "<set>"
             "max_total_num_tokens": ready.max_total_num_tokens,
             "max_req_input_len": ready.max_req_input_len,
             "context_length": ready.context_length,
