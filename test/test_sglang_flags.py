@@ -1,5 +1,6 @@
-"""SGLang launch flags with their meaning here: --tp-size (1 only), --dp-size (>= 1; replicas behind
-sglang-router: test_sglang_router.py, test_dp_flags.py), --mem-fraction-static,
+"""SGLang launch flags with their meaning here: --tp-size's bounds (tensor parallelism itself is in
+test_tensor_parallel.py), --dp-size (>= 1; replicas behind sglang-router: test_sglang_router.py,
+test_dp_flags.py), --mem-fraction-static,
 --trust-remote-code, --quantization (refused), --schedule-policy lpm, --log-requests,
 --enable-cache-report; --reasoning-parser is in test_reasoning_parser.py."""
 
@@ -53,10 +54,12 @@ def test_sglang_command_line_parses():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (
-            {"tp_size": 2},
-            r"--tp-size must be 1: this runtime serves a model on one device \(tensor parallelism",
-        ),
+        ({"tp_size": 0}, r"--tp-size 0, --nnodes 1, --node-rank 0: need tp_size >= 1"),
+        ({"tp_size": 2, "nnodes": 2}, r"--nnodes > 1 needs --dist-init-addr HOST:PORT"),
+        ({"tp_size": 2, "dist_init_addr": "node0"}, r"--dist-init-addr must be HOST:PORT, got 'node0'"),
+        ({"tp_size": 2, "kv_compressor": "snapkv", "speculative_algorithm": "VERICACHE",
+          "vericache_schedule": "adaptive"},
+         r"--vericache-schedule adaptive is not supported with --tp-size 2 \(its controller decides from each"),
         ({"dp_size": 0}, "--dp-size must be >= 1, got 0"),
         ({"dp_size": 2, "disagg_role": "verifier", "disagg_port": 31000},
          "--dp-size with --disagg-role verifier: a verifier serves no HTTP"),
@@ -74,9 +77,9 @@ def test_bad_values_are_refused_with_the_flag_named(kwargs, message):
 
 def test_cli_reports_bad_values_as_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
-        prepare_server_args(["--tp-size", "8"])
+        prepare_server_args(["--tp-size", "8", "--nnodes", "3", "--dist-init-addr", "10.0.0.1:5000"])
     assert e.value.code == 2
-    assert "--tp-size must be 1" in capsys.readouterr().err
+    assert "--nnodes 3 must divide --tp-size 8 (ranks per node)" in capsys.readouterr().err
 
 
 def test_static_kv_bytes_is_the_fraction_minus_what_is_in_use():

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     server_args, cli = parse_launch_args(argv)
     error = model_folder_error(server_args)
-    if error is None and server_args.disagg_role != "verifier":
+    if error is None and server_args.disagg_role != "verifier" and server_args.node_rank == 0:
         error = port_error(server_args.host, server_args.port)
     if error is None:
         error = data_parallel_error(server_args, cli, router_flags)
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_data_parallel(server_args, argv, cli))
     server_args.log_flag_warnings()
+    if server_args.node_rank > 0:  # --nnodes > 1: this node runs its tensor-parallel ranks only
+        from sglang_vericache.managers.scheduler_launcher import run_other_node
+
+        try:
+            sys.exit(run_other_node(server_args))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
     if server_args.disagg_role == "verifier":  # dual-instance mode: no HTTP, the verifier loop (disagg/)
         from sglang_vericache.disagg.verifier import run_verifier
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,10 +58,26 @@ class ModelConfig:
     eos_token_ids: set[int] = field(default_factory=set)
     tie_word_embeddings: bool = False
 
+    tp_size: int = 1  # > 1: a rank's view (tp_shard): its attention heads and KV heads
+
     @staticmethod
     def from_server_args(server_args: ServerArgs) -> ModelConfig:
-        return ModelConfig.from_path(server_args.model_path, server_args.dtype, server_args.context_length,
-                                     server_args.trust_remote_code)
+        mc = ModelConfig.from_path(server_args.model_path, server_args.dtype, server_args.context_length,
+                                   server_args.trust_remote_code)
+        return mc.tp_shard(server_args.tp_size)
+
+    def tp_shard(self, tp_size: int) -> ModelConfig:
+        """One rank's view at tensor-parallel size tp_size: num_attention_heads and num_key_value_heads
+        are its own (what its KV pools, compressors and attention hold); vocab_size and hf_config stay whole."""
+        if tp_size == 1:
+            return self
+        for what, n in (("num_attention_heads", self.num_attention_heads),
+                        ("num_key_value_heads", self.num_key_value_heads),
+                        ("intermediate_size", getattr(self.hf_config, "intermediate_size", 0))):
+            if n % tp_size:
+                raise ValueError(f"--tp-size {tp_size} must divide the model's {what} ({n})")
+        return replace(self, num_attention_heads=self.num_attention_heads // tp_size,
+                       num_key_value_heads=self.num_key_value_heads // tp_size, tp_size=tp_size)
 
     @staticmethod
     def from_path(path: str, dtype: str = "auto", context_length: int | None = None,

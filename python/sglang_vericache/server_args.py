@@ -117,7 +117,11 @@ class ServerArgs(ServerArgsChecks):
     reasoning_parser: str | None = None  # splits <think> text into reasoning_content (OpenAI chat)
 
     # SGLang launch flags, with the meaning they have here.
-    tp_size: int = 1  # one device per server: only 1
+    tp_size: int = 1  # tensor parallelism: one scheduler process per rank (distributed/parallel_state.py)
+    dist_init_addr: str | None = None  # host:port of the ranks' rendezvous; None: a free local port (one node)
+    nnodes: int = 1  # hosts the tp_size ranks are spread over (tp_size / nnodes ranks each)
+    node_rank: int = 0  # this host's index; node 0 serves HTTP and runs rank 0
+    dist_timeout: float = 600.0  # seconds a collective may wait for a peer rank before the server exits
     dp_size: int = 1  # > 1: that many replicas behind sglang-router (dp/controller.py)
     mem_fraction_static: float | None = None  # device memory for weights + KV pool (SGLang's meaning)
     trust_remote_code: bool = False  # for configs and tokenizers that ship their own code

@@ -191,10 +191,31 @@ class ServerArgsChecks:
             raise ValueError(f"--chat-template {path}: not a valid Jinja template: {e.message} "
                              f"(line {e.lineno})") from None
 
+    def validate_tensor_parallel(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size}, --nnodes {self.nnodes}, --node-rank {self.node_rank}: "
+                             "need tp_size >= 1, nnodes >= 1 and 0 <= node_rank < nnodes")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide --tp-size {self.tp_size} (ranks per node)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the ranks' "
+                             "rendezvous)")
+        if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.tp_size == 1:
+            return
+        for flag, on, why in (
+            ("--vericache-schedule adaptive", self.adaptive, "its controller decides from each rank's own timings"),
+            ("--disagg-role", self.disagg_role != "none", "dual-instance VeriCache runs one rank per instance"),
+            ("--kv-store", self.kv_store != "none", "each rank would store its own heads under the same keys"),
+        ):
+            if on:
+                raise ValueError(f"{flag} is not supported with --tp-size {self.tp_size} ({why})")
+
     def validate_sglang_flags(self) -> None:
-        if self.tp_size != 1:
-            raise ValueError("--tp-size must be 1: this runtime serves a model on one device (tensor "
-                             f"parallelism is not supported), got {self.tp_size}")
+        self.validate_tensor_parallel()
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.disagg_role == "verifier":

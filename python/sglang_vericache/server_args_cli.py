@@ -186,7 +186,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
              "thinking as message.reasoning_content, apart from content (and in stream deltas).")
     add("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d["tp_size"].default,
-        help="Tensor parallel size. Only 1: this runtime serves a model on one device.")
+        help="Tensor parallel size: the model's attention heads (and both KV tiers, by KV head), MLP and "
+             "vocabulary are split over this many scheduler processes, one per rank (gloo on a CPU, NCCL "
+             "on CUDA: rank r on cuda:r). Must divide the heads, KV heads and intermediate size.")
+    add("--dist-init-addr", type=str, default=None,
+        help="HOST:PORT where the ranks meet (torch.distributed's TCP rendezvous, on node 0). Default "
+             "with one node: a free port on 127.0.0.1. Needed with --nnodes > 1.")
+    add("--nnodes", type=int, default=d["nnodes"].default,
+        help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). Start "
+             "launch_server on every host with the same flags and its own --node-rank.")
+    add("--node-rank", type=int, default=d["node_rank"].default,
+        help="This host's index in [0, --nnodes). Node 0 runs rank 0 and serves HTTP; the others run "
+             "their ranks only, and exit when rank 0 does.")
+    add("--dist-timeout", type=float, default=d["dist_timeout"].default,
+        help="Seconds a tensor-parallel collective may wait for a peer rank; past it (or at once when a "
+             "peer's connection closes) the rank exits and the server fails its requests with an error.")
     add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d["dp_size"].default,
         help="Data parallel size: N > 1 starts N replicas of this server (each a full server on its own "
              "loopback port, with the other flags given here; with --tp-size M, N x M ranks) behind "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import signal
+import sys
 from collections.abc import AsyncIterator
 
 import orjson
@@ -177,6 +179,8 @@ def launch_server(server_args, tokenizer_manager: TokenizerManager | None = None
 
     manager = tokenizer_manager or TokenizerManager(server_args)
     set_tokenizer_manager(manager)
+    if server_args.tp_size > 1:  # a lost rank takes the model with it: fail requests, then exit
+        manager.on_scheduler_exit = _exit_server
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
     logger.info("The server is fired up and ready to roll! http://%s:%d", server_args.host, server_args.port)
@@ -190,3 +194,13 @@ def launch_server(server_args, tokenizer_manager: TokenizerManager | None = None
         )
     finally:
         manager.shutdown()
+    if manager.dead_reason is not None and server_args.tp_size > 1:
+        logger.error("the server exits: %s", manager.dead_reason)
+        sys.exit(1)
+
+
+def _exit_server(reason: str) -> None:
+    """SIGTERM to this process: uvicorn answers what is in flight (each request already failed with
+    `reason`) and stops."""
+    logger.error("tensor parallelism lost a rank (%s); shutting the server down", reason)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -175,3 +175,17 @@ class Sampler:
                 values, order = torch.sort(values, dim=-1, descending=True, stable=True)
                 out.top_logprobs = (values, ids.gather(1, order))
         return out
+
+
+class RankZeroSampler:
+    """Tensor parallelism: every rank samples (the logits are the same bits on every rank), then
+    takes rank 0's token ids, so rank 0 decides what every rank emits and drafts from."""
+
+    def __init__(self, inner: Sampler, tp_group) -> None:
+        self.inner, self.tp = inner, tp_group
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool = False,
+                 top_logprobs_num: int = 0) -> SampleOutput:
+        out = self.inner(logits, info, return_logprob, top_logprobs_num)
+        out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())
+        return out

@@ -20,6 +20,8 @@ from collections import deque
 import zmq
 
 from sglang_vericache.constrained.grammar_backend import grammar_key
+from sglang_vericache.distributed import request_broadcast
+from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerInfoMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs | None = None):
         self.server_args = server_args
+        self.tp = get_tp_group()  # rank 0 reads the sockets and decides; the others follow it
         self.model_runner = ModelRunner(server_args)
         mc = self.model_runner.model_config
         self.vocab_size = mc.vocab_size
@@ -106,9 +109,9 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
 
             self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-        from sglang_vericache.layers.sampler import Sampler
+        from sglang_vericache.layers.sampler import RankZeroSampler, Sampler
 
-        self.sampler = Sampler()
+        self.sampler = Sampler() if self.tp.size == 1 else RankZeroSampler(Sampler(), self.tp)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -118,7 +121,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         self.profiler = SchedulerProfiler(server_args.device)  # /start_profile, /stop_profile
 
         self.recv_socket = self.send_socket = None
-        if port_args is not None:
+        if port_args is not None and self.tp.is_first:
             ctx = zmq.Context(2)
             self.recv_socket = ctx.socket(zmq.PULL)
             self.recv_socket.bind(port_args.scheduler_input_ipc_name)
@@ -233,17 +236,21 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                     or (self.remote_prefill is not None and self.remote_prefill.prefilling))
 
     def recv_requests(self, block: bool = False) -> None:
-        if self.recv_socket is None:
+        """Handles what arrived (rank 0: its socket; other ranks: rank 0's broadcast of it)."""
+        msgs = []
+        if self.recv_socket is not None:
+            if block:
+                self.recv_socket.poll(timeout=1000)
+            while True:
+                try:
+                    msgs.append(self.recv_socket.recv_pyobj(zmq.NOBLOCK))
+                except zmq.ZMQError:
+                    break
+        elif self.tp.is_first:
             return
-        if block:
-            self.recv_socket.poll(timeout=1000)
-        while True:
-            try:
-                msg = self.recv_socket.recv_pyobj(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
+        for msg in request_broadcast.exchange(self.tp, msgs):
             reply = self.handle_message(msg)
-            if reply is not None:
+            if reply is not None and self.send_socket is not None:
                 self.send_socket.send_pyobj(reply)
 
     def handle_message(self, msg):

@@ -80,13 +80,13 @@ class TokenizerManager(TokenizerRequestsMixin):
         self.recv_from_scheduler = self.zmq_ctx.socket(zmq.PULL)
         self.recv_from_scheduler.bind(self.port_args.tokenizer_ipc_name)
         # The scheduler loads the model while this process loads the tokenizer.
-        self.scheduler_proc, reader = start_scheduler(server_args, self.port_args)
+        self.scheduler_proc, readers = start_scheduler(server_args, self.port_args)  # one per local TP rank
         try:
             self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
         except BaseException:
             self.scheduler_proc.kill()
             raise
-        ready = wait_scheduler_ready(self.scheduler_proc, reader)
+        ready = wait_scheduler_ready(self.scheduler_proc, readers)
         self.send_to_scheduler = self.zmq_ctx.socket(zmq.PUSH)
         self.send_to_scheduler.setsockopt(zmq.LINGER, 0)
         self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
@@ -122,6 +122,7 @@ class TokenizerManager(TokenizerRequestsMixin):
         self._loop_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        self.on_scheduler_exit = None  # called with the reason once the scheduler (any TP rank) has exited
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -157,7 +158,9 @@ class TokenizerManager(TokenizerRequestsMixin):
     async def _watchdog(self) -> None:
         while self.scheduler_proc.is_alive():
             await asyncio.sleep(1.0)
-        self._fail_all(describe_exit(self.scheduler_proc.exitcode))
+        self._fail_all(describe_exit(self.scheduler_proc.exitcode, self.scheduler_proc.failed_rank))
+        if self.on_scheduler_exit is not None:
+            self.on_scheduler_exit(self.dead_reason)
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason

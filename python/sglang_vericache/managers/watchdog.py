@@ -17,6 +17,7 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 EXIT_CODE = 3  # the scheduler's exit code when its watchdog ends it
+TP_EXIT_CODE = 4  # a tensor-parallel rank's exit code when a collective failed (a peer rank gone or silent)
 
 
 def _exit_process(elapsed_s: float) -> None:
@@ -26,9 +27,15 @@ def _exit_process(elapsed_s: float) -> None:
     os._exit(EXIT_CODE)
 
 
-def describe_exit(code: int | None) -> str:
-    """The TokenizerManager's words for a scheduler process that exited with `code`."""
+def describe_exit(code: int | None, rank: int | None = None) -> str:
+    """The TokenizerManager's words for a scheduler process (of tensor-parallel `rank`) that exited with `code`."""
     what = f"the scheduler process exited with code {code}"
+    if rank is not None:
+        what = f"the scheduler process of tensor-parallel rank {rank} exited with code {code}"
+        if code == TP_EXIT_CODE:
+            what += " (a collective failed: a peer rank exited or stopped answering; see its log)"
+        elif code is not None and code < 0:
+            what += f" (killed by signal {-code}); the other ranks exit with it"
     if code == EXIT_CODE:
         what += " (its watchdog: one iteration ran past --watchdog-timeout; the stacks are in its log)"
     return what

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.attention.registry import create_attention_backend
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
@@ -28,7 +29,11 @@ class ModelRunner:
         self.device = server_args.device
         if server_args.num_threads:
             torch.set_num_threads(server_args.num_threads)
-        self.model_config = ModelConfig.from_server_args(server_args)
+        tp = get_tp_group()
+        if tp.size != server_args.tp_size:
+            raise RuntimeError(f"--tp-size {server_args.tp_size}, but this process joined a group of {tp.size} ranks")
+        tp.deterministic = bool(server_args.enable_deterministic_inference)  # all-reduce in rank order
+        self.model_config = ModelConfig.from_server_args(server_args)  # this rank's heads at --tp-size > 1
         self.dtype = self.model_config.dtype
         kv = server_args.kv_cache_dtype
         self.kv_dtype = self.dtype if kv == "auto" else getattr(torch, kv)  # the exact KV pools' dtype
@@ -115,6 +120,9 @@ class ModelRunner:
     def init_cuda_graphs(self) -> CudaGraphRunner | None:
         args = self.server_args
         if args.disable_cuda_graph or not self.device.startswith("cuda"):
+            return None
+        if args.tp_size > 1:
+            logger.info("CUDA graphs: not captured with --tp-size > 1 (collectives run eagerly)")
             return None
         if args.attention_backend != "triton":
             logger.info("CUDA graphs: captured with --attention-backend triton only; %s runs eagerly",

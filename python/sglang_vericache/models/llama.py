@@ -2,6 +2,11 @@
 
 Weights are stored fused: qkv_proj = [q; k; v] rows, gate_up_proj = [gate; up] rows.
 `load_weights` maps Hugging Face names (q_proj, k_proj, ...) onto them.
+
+Tensor parallelism (distributed/parallel_state.py, --tp-size): each rank holds its attention heads
+(q heads and KV heads split alike, so each rank's q heads use its own KV heads), its share of the
+MLP's intermediate features, and its vocabulary range (layers/vocab_parallel_embedding.py);
+o_proj and down_proj all-reduce. `load_weights` keeps this rank's part of each checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -14,12 +19,18 @@ from torch import nn
 
 from sglang_vericache.layers.activation import SiluAndMul
 from sglang_vericache.layers.layernorm import RMSNorm
-from sglang_vericache.layers.linear import Linear
+from sglang_vericache.distributed.parallel_state import get_tp_group
+from sglang_vericache.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
 from sglang_vericache.layers.radix_attention import RadixAttention
 from sglang_vericache.layers.rotary_embedding import (
     RotaryEmbedding,
     apply_rotary_pos_emb,
     get_rope_parameters,
+)
+from sglang_vericache.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    load_vocab_rows,
 )
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
 
@@ -47,8 +58,8 @@ def check_sliding_window(config, context_len: int) -> None:
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,13 +69,18 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int, flags: AttentionFlags):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp = get_tp_group().size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads = divide(total_heads, tp, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = divide(total_kv_heads, tp, "num_key_value_heads")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=flags.o_bias)
+        d = self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [total_heads * d, total_kv_heads * d,
+                                                                  total_kv_heads * d], bias=flags.qkv_bias)
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, bias=flags.o_bias)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -103,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int, flags: AttentionFlags):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)]
         )
@@ -140,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         context_len = context_len or config.max_position_embeddings
         check_sliding_window(config, context_len)
         self.model = LlamaModel(config, context_len + 64, self.attention_flags(config))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_weights()
 
@@ -152,18 +168,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
-    def _shard_rows(self, param_name: str, shard_id, attn: LlamaAttention | None) -> slice:
-        if shard_id == "q":
-            return slice(0, attn.q_size)
-        if shard_id == "k":
-            return slice(attn.q_size, attn.q_size + attn.kv_size)
-        if shard_id == "v":
-            return slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
-        inter = self.config.intermediate_size
-        return slice(shard_id * inter, (shard_id + 1) * inter)
+    def _shard_rows(self, param_name: str, shard_id, layer: LlamaDecoderLayer) -> slice:
+        """The rows of fused param_name that segment shard_id fills (this rank's part of it)."""
+        if param_name == "qkv_proj":
+            return layer.self_attn.qkv_proj.local_rows("qkv".index(shard_id))
+        return layer.mlp.gate_up_proj.local_rows(shard_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (fused) parameters; every parameter must be covered."""
@@ -178,14 +190,16 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(f".{hf}.", f".{fused}.")
                     param = self._param(params, name)
                     layer_id = int(name.split(".layers.")[1].split(".")[0])
-                    attn = self.model.layers[layer_id].self_attn
-                    rows = self._shard_rows(fused, shard_id, attn)
-                    _copy(param.data[rows], w, name)
+                    rows = self._shard_rows(fused, shard_id, self.model.layers[layer_id])
+                    _copy(param.data[rows], ColumnParallelLinear.rank_part(w), name)
                     filled[name] = filled.get(name, 0) + (rows.stop - rows.start)
                     break
             else:
                 param = self._param(params, name)
-                _copy(param.data, w, name)
+                if name in ("model.embed_tokens.weight", "lm_head.weight") and get_tp_group().size > 1:
+                    load_vocab_rows(param.data, w)
+                else:
+                    _copy(param.data, RowParallelLinear.rank_part(w) if _row_parallel(name) else w, name)
                 filled[name] = param.shape[0]
         if "lm_head.weight" not in filled and "lm_head.weight" in params:
             self.tie_weights()  # checkpoint without lm_head: tied embeddings
@@ -200,6 +214,10 @@ class LlamaForCausalLM(nn.Module):
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
         return params[name]
+
+
+def _row_parallel(name: str) -> bool:
+    return ".o_proj." in name or ".down_proj." in name
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.speculative.reservations import VerifyReservations
 from sglang_vericache.speculative.round_state import Booking
 
@@ -87,6 +88,7 @@ class StaggeredVeriCache:
         for req in verifiers:
             req.spec.booking = None
         r.run(drafting=drafting, staged=verifiers)
-        self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * (time.perf_counter() - t0)
+        elapsed = get_tp_group().agree(time.perf_counter() - t0)  # rank 0's time: the same bookings on every rank
+        self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * elapsed
         self.rings.set_link_budget(self.link_bytes_per_iter())
         self.rings.advance()
