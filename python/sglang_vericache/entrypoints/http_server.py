@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
-import signal
 import sys
 from collections.abc import AsyncIterator
 
@@ -180,28 +178,23 @@ def launch_server(server_args, tokenizer_manager: TokenizerManager | None = None
 
     manager = tokenizer_manager or TokenizerManager(server_args)
     set_tokenizer_manager(manager)
-    if server_args.tp_size > 1:  # a lost rank takes the model with it: fail requests, then exit
-        manager.on_scheduler_exit = _exit_server
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                           log_level=server_args.log_level.lower(), timeout_keep_alive=5))
+    if server_args.tp_size > 1:  # a lost rank takes the model with it: fail the requests, then exit
+        def stop(reason: str) -> None:
+            logger.error("tensor parallelism lost a rank; the server stops: %s", reason)
+            server.should_exit = True  # uvicorn answers what is in flight (each already failed), then returns
+
+        manager.on_scheduler_exit = stop
     logger.info("The server is fired up and ready to roll! http://%s:%d", server_args.host, server_args.port)
     try:
-        uvicorn.run(
-            app,
-            host=server_args.host,
-            port=server_args.port,
-            log_level=server_args.log_level.lower(),
-            timeout_keep_alive=5,
-        )
+        server.run()
     finally:
         manager.shutdown()
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's exit code when the server could not start
     if manager.dead_reason is not None and server_args.tp_size > 1:
-        logger.error("the server exits: %s", manager.dead_reason)
+        print(f"error: {manager.dead_reason}", file=sys.stderr)
         sys.exit(1)
-
-
-def _exit_server(reason: str) -> None:
-    """SIGTERM to this process: uvicorn answers what is in flight (each request already failed with
-    `reason`) and stops."""
-    logger.error("tensor parallelism lost a rank (%s); shutting the server down", reason)
-    os.kill(os.getpid(), signal.SIGTERM)
