@@ -90,12 +90,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "at most the round's drafts left less one). One chain per request (SGLang's BFS breadth 1).")
     add("--device-kv-budget", type=str, default=None,
         help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
-             "keep the compressed tier, exact tails and verification staging here.")
+             "keep the compressed tier, exact tails and verification staging here. Per rank with --tp-size.")
     add("--host-kv-budget", type=str, default=None,
-        help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB).")
+        help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB). Per rank with --tp-size.")
     add("--link-bandwidth", type=str, default=None,
         help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
-             "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: unthrottled.")
+             "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: unthrottled. "
+             "With --tp-size, each rank has its own link (its KV heads' bytes).")
     add("--vericache-schedule", type=str, default=d["vericache_schedule"].default,
         choices=("adaptive", "auto", "lockstep", "staggered"),
         help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "

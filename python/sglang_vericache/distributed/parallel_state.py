@@ -95,6 +95,15 @@ class TPGroup:
             self.broadcast(buf, cpu=True)
         return buf.numpy().tobytes()
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest value of any rank, on every rank: for sizes measured from free memory (each
+        rank's pools must have the same capacity, or their schedulers would decide differently)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        _run(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
     def agree(self, value: float) -> float:
         """Rank 0's value on every rank: for decisions that depend on measurements (iteration times)."""
         if self.size == 1:

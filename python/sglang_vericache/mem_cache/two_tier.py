@@ -17,6 +17,7 @@ import torch
 
 from sglang_vericache.compress.base import CompressorConfig
 from sglang_vericache.compress.registry import get_compressor
+from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages
 from sglang_vericache.server_args import parse_bytes
 
@@ -57,6 +58,7 @@ class TwoTierKV:
             num_chunks = CompressedKVPool.chunks_for_budget(self.compressor, n_layers, max(budget, 0))
         else:
             num_chunks = max(DEFAULT_COMP_CHUNKS, 2 * model_runner.max_total_num_tokens // self.page_size)
+        num_chunks = get_tp_group().min_over_ranks(num_chunks)  # the same capacity on every TP rank
         if num_chunks < 1:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)

@@ -99,6 +99,7 @@ class ModelRunner:
             budget = int(_memory(self.device)[1] * DEFAULT_MEM_FRACTION)
             max_tokens = min(DEFAULT_MAX_TOTAL_TOKENS, budget // bytes_per_token)
         self.exact_bytes_per_token = bytes_per_token
+        max_tokens = get_tp_group().min_over_ranks(max_tokens)  # free memory differs between ranks
         num_pages = max_tokens // ps
         if num_pages < 2:
             raise ValueError(f"KV pool too small: {max_tokens} tokens is under two pages of {ps}")
