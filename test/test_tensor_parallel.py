@@ -121,3 +121,16 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused(checkpoints):
     assert (mc.tp_shard(2).num_attention_heads, mc.tp_shard(2).num_key_value_heads) == (2, 1)
     with pytest.raises(ValueError, match=r"--tp-size 4 must divide the model's num_key_value_heads \(2\)"):
         mc.tp_shard(4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs two GPUs")
+def test_engine_at_tp2_on_two_gpus_over_nccl_emits_the_tp1_tokens(checkpoints):
+    path = checkpoints["qwen3"]
+    ps = prompts([7, 12], seed=5)
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for tp in (1, 2):
+        with sglang_vericache.Engine(model_path=path, device="cuda", tp_size=tp, max_total_tokens=1024,
+                                     page_size=8, log_level="warning") as eng:
+            outs[tp] = [eng.generate(input_ids=p, sampling_params=greedy)["output_ids"] for p in ps]
+    assert outs[2] == outs[1]

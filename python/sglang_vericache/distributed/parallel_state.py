@@ -111,11 +111,11 @@ class TPGroup:
         return float(self.broadcast(torch.tensor([value], dtype=torch.float64), cpu=True).item())
 
 
-def _run(op, *args, **kwargs) -> None:
+def _run(collective, *args, **kwargs) -> None:
     try:
-        op(*args, **kwargs)
+        collective(*args, **kwargs)
     except (RuntimeError, dist.DistBackendError) as e:  # gloo: "Connection closed by peer", timeouts
-        raise TensorParallelError(f"a tensor-parallel collective failed ({op.__name__}): {e}") from e
+        raise TensorParallelError(f"a tensor-parallel collective failed ({collective.__name__}): {e}") from e
 
 
 _TP = TPGroup()
