@@ -70,6 +70,10 @@ def _rank_main(rank: int, size: int, addr: str, conn) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
+class JobFailed(RuntimeError):
+    """A rank raised while running the job (every rank replied; the pool stays usable)."""
+
+
 class TPRanks:
     """size rank processes (gloo, on this host); run(job) -> rank 0's result of run_job."""
 
@@ -79,6 +83,7 @@ class TPRanks:
             s.bind(("127.0.0.1", 0))
             addr = f"127.0.0.1:{s.getsockname()[1]}"
         self.conns, self.procs = [], []
+        self.broken: str | None = None  # why the pool cannot run jobs any more
         for rank in range(size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, args=(rank, size, addr, child), daemon=True)
@@ -87,6 +92,17 @@ class TPRanks:
             self.procs.append(p)
 
     def run(self, job: Job, timeout_s: float = 300.0) -> dict:
+        if self.broken is not None:
+            raise RuntimeError(f"the rank pool is unusable: {self.broken}")
+        try:
+            return self._run(job, timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            if not isinstance(e, JobFailed):  # a rank late or gone: its next reply would answer the wrong job
+                self.broken = str(e)
+                self.close()
+            raise
+
+    def _run(self, job: Job, timeout_s: float) -> dict:
         for c in self.conns:
             c.send(job)
         replies = []
@@ -100,7 +116,7 @@ class TPRanks:
             replies.append(c.recv())
         for rank, (status, payload) in enumerate(replies):
             if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                raise JobFailed(f"rank {rank} failed:\n{payload}")
         return replies[0][1]
 
     def close(self) -> None:
