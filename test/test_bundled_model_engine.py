@@ -55,7 +55,8 @@ def test_engine_matches_transformers_greedy(tokenized):
 @pytest.mark.parametrize("compressor", ["snapkv", "streamingllm", "kivi2"])
 def test_vericache_equals_full_on_the_bundled_model(tokenized, compressor):
     full = greedy(engine(), tokenized)
-    sched = engine(kv_compressor=compressor, speculative_algorithm="VERICACHE", speculative_num_draft_tokens="8")
+    sched = engine(kv_compressor=compressor, speculative_algorithm="VERICACHE", speculative_num_draft_tokens="8",
+                   vericache_schedule="lockstep")
     assert greedy(sched, tokenized) == full
     # Every token after the first came out of a round: its verifier token or an accepted draft.
     m = sched.metrics

@@ -107,6 +107,7 @@ def test_the_model_eos_ends_a_complete_grammar(backend, tokenizer):
 
 
 def run(path, sampling, **server):
+    server.setdefault("vericache_schedule", "lockstep")  # grammars inside rounds (adaptive may decode instead)
     sched = Scheduler(ServerArgs(model_path=path, dtype="float32", page_size=8, **server))
     tok = AutoTokenizer.from_pretrained(path)
     reqs = [
@@ -178,7 +179,8 @@ def test_drafts_stop_where_the_grammar_ends(llama, tokenizer):
         return run_to_completion(sched, reqs)
 
     full = go()
-    vc = go(speculative_algorithm="VERICACHE", kv_compressor="int8", speculative_num_draft_tokens=8)
+    vc = go(speculative_algorithm="VERICACHE", kv_compressor="int8", speculative_num_draft_tokens=8,
+            vericache_schedule="lockstep")
     assert ids_of(vc) == ids_of(full)
     for res in vc.values():
         assert res.output_ids[-1] == tokenizer.eos_token_id  # digits may share a token: "12" is one

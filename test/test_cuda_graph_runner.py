@@ -35,7 +35,7 @@ CAPTURE_BS = [1, 2, 4]
 # otherwise, so the logits differ in rounding (measured max |diff| 2.1e-5 at |logit| <= 18; with the
 # graph of the batch's own size and the same split counts they are bitwise equal, tested below).
 LOGITS_ATOL = 1e-4
-VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3")
+VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3", vericache_schedule="lockstep")
 MODES = {
     "full": ({}, "DECODE"),
     "snapkv": (dict(kv_compressor="snapkv", **VERICACHE), "DRAFT_DECODE"),

@@ -16,12 +16,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PROMPT_LENS = [21, 30, 13]
 NEW = 10
-VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3")
+VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3", vericache_schedule="lockstep")
 MODES = {
     "full": {},
     "vericache-snapkv": dict(kv_compressor="snapkv", **VERICACHE),
     "vericache-kivi4": dict(kv_compressor="kivi4", **VERICACHE),
-    "vericache-staggered-link": dict(kv_compressor="int8", link_bandwidth="1GB", **VERICACHE),
+    "vericache-staggered-link": dict(kv_compressor="int8", link_bandwidth="1GB", **{**VERICACHE, "vericache_schedule": "staggered"}),
     "lossy-streamingllm": dict(kv_compressor="streamingllm"),
 }
 

@@ -47,7 +47,7 @@ def test_dummy_model_serves_and_full_equals_vericache(config_only):
     """The whole runtime runs on it; VeriCache emits exactly what full mode does."""
     out = {}
     vericache = dict(kv_compressor="snapkv", speculative_algorithm="VERICACHE",
-                     speculative_num_draft_tokens="3")
+                     speculative_num_draft_tokens="3", vericache_schedule="lockstep")
     for mode, kw in (("full", {}), ("vericache", vericache)):
         sched = Scheduler(ServerArgs(model_path=config_only, dtype="float32", skip_tokenizer_init=True,
                                      page_size=8, load_format="dummy", **kw))

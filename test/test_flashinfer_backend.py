@@ -59,7 +59,7 @@ PROMPT_LENS = [21, 30]  # page 8: last pages partly filled (5 and 6 of 8 tokens)
 NEW = 8
 LOGITS_ATOL = 2e-4  # float32, einsum vs SDPA softmax: logits (|x| up to ~20) agree to ~4e-5 (measured)
 VERICACHE = {"kv_compressor": "snapkv", "speculative_algorithm": "VERICACHE",
-             "speculative_num_draft_tokens": "3"}
+             "speculative_num_draft_tokens": "3", "vericache_schedule": "lockstep"}
 MODES = {"full": {}, "snapkv": VERICACHE}
 # the forward modes each mode must plan on FlashInfer (the rest: torch path)
 PLANNED = {"full": {"DECODE", "EXTEND"}, "snapkv": {"EXTEND", "TARGET_VERIFY"}}

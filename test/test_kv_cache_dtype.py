@@ -61,7 +61,7 @@ def test_exact_pool_is_bfloat16_at_half_the_bytes(llama, batch):
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_vericache_equals_full_over_bfloat16_kv(compressor, sampling, llama, batch, full):
     _, out = run(llama, batch, SAMPLING if sampling == "seeded" else None, kv_compressor=compressor,
-                 speculative_algorithm="VERICACHE", speculative_num_draft_tokens="6")
+                 speculative_algorithm="VERICACHE", speculative_num_draft_tokens="6", vericache_schedule="lockstep")
     assert out == full[sampling]
 
 

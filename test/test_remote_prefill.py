@@ -68,7 +68,7 @@ def store_dir(tmp_path_factory, llama, docs):
     """Both tiers of the documents' pages, written by one single-instance VeriCache run."""
     path = str(tmp_path_factory.mktemp("kvstore"))
     writer = Scheduler(args(llama, kv_compressor="int8", speculative_algorithm="VERICACHE",
-                            kv_store="file", kv_store_path=path))
+                            vericache_schedule="lockstep", kv_store="file", kv_store_path=path))
     run_to_completion(writer, [make_request(f"w{i}", d, max_new_tokens=1) for i, d in enumerate(docs)])
     assert writer.prefix_store.stats["exact"].pages_written == 2 * DOC // P
     assert writer.prefix_store.stats["compressed"].pages_written == 2 * DOC // P

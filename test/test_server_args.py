@@ -32,9 +32,22 @@ def test_modes():
     assert ServerArgs().kv_mode == "full"
     assert ServerArgs(kv_compressor="snapkv").kv_mode == "lossy"
     vc = ServerArgs(kv_compressor="snapkv", speculative_algorithm="vericache")
-    assert (vc.kv_mode, vc.speculative_algorithm, vc.staggered, vc.uses_link) == ("vericache", "VERICACHE", False, False)
-    linked = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", link_bandwidth="1GB")
-    assert (linked.staggered, linked.uses_link) == (True, True)
+    assert (vc.kv_mode, vc.speculative_algorithm, vc.schedule, vc.adaptive, vc.uses_link) == (
+        "vericache", "VERICACHE", "adaptive", True, True)  # the default: adaptive (host tier on demand)
+    for schedule, staggered, uses_link in (("lockstep", False, False), ("staggered", True, True)):
+        fixed = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", vericache_schedule=schedule)
+        assert (fixed.schedule, fixed.staggered, fixed.adaptive, fixed.uses_link) == (schedule, staggered, False,
+                                                                                       uses_link)
+    linked = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", vericache_schedule="lockstep",
+                        link_bandwidth="1GB")
+    assert (linked.staggered, linked.uses_link) == (False, True)
+    drafter = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", disagg_role="drafter",
+                         verifier_addr="tcp://127.0.0.1:5555")
+    assert (drafter.schedule, drafter.uses_link) == ("lockstep", False)
+    with pytest.raises(ValueError, match="--vericache-schedule adaptive / staggered"):
+        ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", disagg_role="drafter",
+                   verifier_addr="tcp://127.0.0.1:5555", vericache_schedule="adaptive")
+    assert ServerArgs().schedule is None
     assert ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE",
                       speculative_num_draft_tokens="auto").max_draft_tokens == 32
 

@@ -27,7 +27,7 @@ NEW = 8
 # float32 everywhere; kernels use an online softmax + split merge (vs one SDPA softmax): logits of
 # this random model (|logit| up to ~20) agree to ~3e-5 (measured); 2e-4 leaves room, far below a top-2 gap.
 LOGITS_ATOL = 2e-4
-VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3")
+VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3", vericache_schedule="lockstep")
 MODES = {"full": {}, **{c: dict(kv_compressor=c, **VERICACHE) for c in ("snapkv", "kivi4")}}
 # layer calls of each kernel path a mode must make (the rest: EXTEND on the torch path)
 KERNEL_PATHS = {
@@ -90,7 +90,8 @@ def test_kernel_paths_carry_their_modes(runs, mode):
 
 def test_fp8_drafting_falls_back_to_torch_path(llama):
     """fp8 chunks have no kernel: DRAFT_DECODE layers take the torch path, tokens still equal torch's."""
-    server = dict(kv_compressor="fp8", speculative_algorithm="VERICACHE", speculative_num_draft_tokens="2")
+    server = dict(kv_compressor="fp8", speculative_algorithm="VERICACHE", speculative_num_draft_tokens="2",
+                  vericache_schedule="lockstep")
     want, _, _ = _run(llama, "torch", server)
     got, forwards, backend = _run(llama, "triton", server)
     assert got == want

@@ -23,6 +23,7 @@ def llama(tmp_path_factory):
 
 def sched(path, **kw) -> Scheduler:
     kw.setdefault("page_size", PS)
+    kw.setdefault("vericache_schedule", "lockstep")  # the compressed tier under test (adaptive may decode instead)
     return Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, **kw))
 
 

@@ -33,6 +33,7 @@ def prompts(n_lens=PROMPT_LENS, vocab=400, seed=0, prefix=0):
 
 def run(path, batch, sampling=None, seeds=None, **server):
     server.setdefault("page_size", 8)
+    server.setdefault("vericache_schedule", "lockstep")  # rounds under test (adaptive may decode instead)
     sched = Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, **server))
     sampling = sampling or {"temperature": 0.0}
     reqs = [

@@ -9,7 +9,8 @@ import pytest
 import requests
 
 FLAGS = ("--kv-compressor", "int8", "--speculative-algorithm", "VERICACHE",
-         "--speculative-num-draft-tokens", "6", "--page-size", "8")
+         "--speculative-num-draft-tokens", "6", "--page-size", "8",
+         "--vericache-schedule", "lockstep")  # rounds under test (the adaptive default may decode instead)
 PROMPTS = ["def parse(text):\n", "import sys\n\nclass Config:\n", "x = [1, 2, 3]\nfor item in x:\n"]
 BODY = {"sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
 

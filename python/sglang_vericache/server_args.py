@@ -73,7 +73,7 @@ class ServerArgs(ServerArgsChecks):
     speculative_ngram_branch_length: int = 8
     device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
     host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
-    vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (staggered iff a link bandwidth is set)
+    vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (see `schedule`)
     verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
     kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
     link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
@@ -151,19 +151,23 @@ class ServerArgs(ServerArgsChecks):
         return "lossy" if self.kv_compressor else "full"
 
     @property
-    def staggered(self) -> bool:
+    def schedule(self) -> str | None:
+        """The VeriCache schedule in force (None outside VeriCache): auto is adaptive, except on a
+        remote drafter, whose rounds disagg/remote_verify.py drives in lock-step."""
         if self.kv_mode != "vericache":
-            return False
-        if self.vericache_schedule == "auto":
-            return self.link_bandwidth is not None
-        return self.vericache_schedule == "staggered"
+            return None
+        if self.disagg_role == "drafter":
+            return "lockstep"
+        return "adaptive" if self.vericache_schedule == "auto" else self.vericache_schedule
+
+    @property
+    def staggered(self) -> bool:
+        return self.schedule == "staggered"
 
     @property
     def adaptive(self) -> bool:
-        """VeriCache driven by the adaptive controller (speculative/adaptive.py); not on a remote
-        drafter (disagg/remote_verify.py drives its rounds)."""
-        return (self.kv_mode == "vericache" and self.vericache_schedule == "adaptive"
-                and self.disagg_role != "drafter")
+        """VeriCache driven by the adaptive controller (speculative/adaptive.py)."""
+        return self.schedule == "adaptive"
 
     @property
     def uses_link(self) -> bool:

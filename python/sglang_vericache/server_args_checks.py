@@ -308,9 +308,9 @@ class ServerArgsChecks:
             if self.kv_mode != "vericache":
                 raise ValueError("--disagg-role drafter drafts: it needs --speculative-algorithm VERICACHE "
                                  "and a --kv-compressor")
-            if self.uses_link:
-                raise ValueError("--disagg-role drafter verifies remotely: --link-bandwidth, --vericache-schedule "
-                                 "staggered and --kv-offload do not apply")
+            if self.uses_link or self.vericache_schedule in ("adaptive", "staggered"):
+                raise ValueError("--disagg-role drafter verifies remotely, in lock-step rounds: --link-bandwidth, "
+                                 "--vericache-schedule adaptive / staggered and --kv-offload do not apply")
         if role == "verifier":
             if self.disagg_port is None or not 0 < self.disagg_port < 65536:
                 raise ValueError(f"--disagg-role verifier needs --disagg-port 1..65535, got {self.disagg_port}")

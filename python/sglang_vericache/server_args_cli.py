@@ -103,8 +103,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds (and "
              "their length) and admits host-tier requests only while they add throughput; lockstep: all "
              "requests draft, then all verify; staggered: each iteration some verify while the rest draft, "
-             "booked against link bandwidth and staging memory; auto (default): staggered when "
-             "--link-bandwidth is set, else lockstep.")
+             "booked against link bandwidth and staging memory (lockstep and staggered: fixed policies, for "
+             "benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter.")
     add("--verify-staging-tokens", type=int, default=d["verify_staging_tokens"].default,
         help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
              "accelerator; also the longest context a request may have when exact KV is streamed.")

@@ -79,7 +79,7 @@ class TwoTierKV:
         # Adaptive VeriCache counts the drafts' scratch per drafting request (mem_cache/placement.py).
         if args.kv_mode == "vericache" and not args.adaptive:
             total += (1 + model_runner.req_to_token_pool.size * (args.max_draft_tokens + 1)) * per_token
-        if args.uses_link:
+        if args.uses_link and not args.adaptive:  # adaptive: the placement books staging when it is used
             total += 2 * args.verify_staging_tokens * per_token // model_runner.model_config.num_hidden_layers
         return total
 
