@@ -17,6 +17,8 @@ from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 PROMPT_LENS = [40, 71, 9, 100, 23]
+# Rounds are what these tests check: a fixed schedule (the adaptive default may decide to decode instead).
+LOCKSTEP = {"vericache_schedule": "lockstep"}
 NEW = 32
 
 
@@ -33,7 +35,7 @@ def prompts(n_lens=PROMPT_LENS, vocab=400, seed=0, prefix=0):
 
 def run(path, batch, sampling=None, seeds=None, **server):
     server.setdefault("page_size", 8)
-    server.setdefault("vericache_schedule", "lockstep")  # rounds under test (adaptive may decode instead)
+    server = {**LOCKSTEP, **server}
     sched = Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, **server))
     sampling = sampling or {"temperature": 0.0}
     reqs = [
@@ -105,7 +107,7 @@ def test_chunked_prefill_and_radix_hits(llama):
     batch = prompts(prefix=33)
     full, _ = run(llama, batch)
     sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
-                                 chunked_prefill_size=16, kv_compressor="streamingllm",
+                                 **LOCKSTEP, chunked_prefill_size=16, kv_compressor="streamingllm",
                                  speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4"))
     for tag in ("a", "b"):
         reqs = [make_request(f"{tag}{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -121,7 +123,7 @@ def test_query_scored_compressor_with_radix_hits(llama):
     batch = prompts(prefix=33)
     full, _ = run(llama, batch)
     sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
-                                 kv_compressor="snapkv", speculative_algorithm="VERICACHE",
+                                 **LOCKSTEP, kv_compressor="snapkv", speculative_algorithm="VERICACHE",
                                  speculative_num_draft_tokens="4"))
     for tag in ("a", "b"):
         reqs = [make_request(f"{tag}{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -138,7 +140,7 @@ def test_stops_inside_a_round(llama):
 
     def go(**server):
         sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
-                                     **server))
+                                     **LOCKSTEP, **server))
         reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW - i, temperature=0.0, stop_token_ids=[stop_ids[i]],
                              min_new_tokens=2)
                 for i, ids in enumerate(batch)]
@@ -157,7 +159,7 @@ def test_logprobs_come_from_the_verifier(llama):
 
     def go(**server):
         sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
-                                     **server))
+                                     **LOCKSTEP, **server))
         reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True,
                              return_logprob=True) for i, ids in enumerate(batch)]
         res = run_to_completion(sched, reqs)
