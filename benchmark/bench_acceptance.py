@@ -93,7 +93,7 @@ def main() -> None:
             lossy = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **comp)
             lossy_identical[(name, ratio)] = sum(a == b for a, b in zip(lossy.outputs, full.outputs)) / len(ids)
         vc = run_mode(args.model_path, ids, args.max_new_tokens, sampling, speculative_algorithm="VERICACHE",
-                      speculative_num_draft_tokens=str(x), **comp)
+                      speculative_num_draft_tokens=str(x), vericache_schedule="lockstep", **comp)  # rounds measured
         m = vc.metrics
         diverged = [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
         rows.append({

@@ -33,7 +33,7 @@ LLAMA_300M = {
 MODES = {  # name -> server flags (deterministic inference set per column)
     "full": {},
     "vericache": {"kv_compressor": "snapkv", "speculative_algorithm": "VERICACHE",
-                  "speculative_num_draft_tokens": "8"},
+                  "speculative_num_draft_tokens": "8", "vericache_schedule": "lockstep"},  # rounds measured
 }
 
 

@@ -81,7 +81,9 @@ def main() -> None:
     ngram = dict(speculative_ngram=True, speculative_ngram_branch_length=args.branch_length,
                  speculative_ngram_min_match_window_size=args.min_window)
     for name in args.compressors:
-        comp = dict(kv_compressor=name, kv_compression_ratio=args.ratio, speculative_algorithm="VERICACHE")
+        # lock-step rounds: the rows compare drafting, not the adaptive schedule's choice to run rounds at all
+        comp = dict(kv_compressor=name, kv_compression_ratio=args.ratio, speculative_algorithm="VERICACHE",
+                    vericache_schedule="lockstep")
         for x in args.draft_tokens:
             for label, extra in (("vericache", {}), ("vericache+ngram", ngram)):
                 r = measure(args, ids, args.repeats, speculative_num_draft_tokens=str(x), **comp, **extra)
@@ -93,7 +95,8 @@ def main() -> None:
     lines = [
         f"N-gram drafting composed with VeriCache: {args.model_path}",
         f"{len(ids)} held-out code prompts ({args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens) at once, "
-        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, {args.dtype}, deterministic inference; "
+        f"{args.max_new_tokens} greedy tokens each, page {args.page_size}, {args.dtype}, deterministic inference, "
+        "lock-step rounds; "
         f"n-gram windows {args.min_window}-12, branch length {args.branch_length}; machine: {machine()}",
         f"tokens/s: median of {args.repeats} runs on a 2-core machine shared with other jobs (ratios between rows "
         "of this run only). Forwards: decode-phase forward passes per output token (prefill not counted).",

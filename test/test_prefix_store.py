@@ -146,9 +146,11 @@ def test_loaded_prefixes_count_against_a_small_pool(llama, batch, no_store, tmp_
 # ---------------------------------------------------------------- vericache, both tiers
 
 
-def test_vericache_fresh_instance_loads_both_tiers(llama, batch, no_store, tmp_path):
+@pytest.mark.parametrize("schedule", ["lockstep", "auto"])  # auto: adaptive, which then folds every prompt
+def test_vericache_fresh_instance_loads_both_tiers(llama, batch, no_store, tmp_path, schedule):
     vc = dict(kv_compressor="snapkv", kv_compression_ratio=4.0, speculative_algorithm="VERICACHE",
-              vericache_schedule="lockstep", speculative_num_draft_tokens="4", kv_store="file", kv_store_path=str(tmp_path / "kv"))
+              vericache_schedule=schedule, speculative_num_draft_tokens="4", kv_store="file",
+              kv_store_path=str(tmp_path / "kv"))
     writer = scheduler(llama, **vc)
     assert [r.output_ids for r in run(writer, batch)] == no_store
     w = store_stats(writer)

@@ -217,7 +217,8 @@ def test_fewer_draft_forwards_per_token_on_a_repetitive_code_prompt():
     for ngram in (False, True):
         s = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", skip_tokenizer_init=True, page_size=16,
                                  kv_compressor="snapkv", kv_compression_ratio=4, speculative_algorithm="VERICACHE",
-                                 speculative_num_draft_tokens="8", speculative_ngram=ngram))
+                                 speculative_num_draft_tokens="8", speculative_ngram=ngram,
+                                 vericache_schedule="lockstep"))
         s.metrics.round_trace = []
         res = run_to_completion(s, [make_request("r", prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True)])
         m = s.metrics
@@ -257,7 +258,7 @@ def constrained(path, sampling, **server):
 def test_constrained_requests_check_proposals_the_grammar_allows(llama_tok, sampling):
     full, _ = constrained(llama_tok, sampling)
     got, vc = constrained(llama_tok, sampling, kv_compressor="int8", speculative_algorithm="VERICACHE",
-                          speculative_num_draft_tokens="6", **NGRAM)
+                          speculative_num_draft_tokens="6", vericache_schedule="lockstep", **NGRAM)
     assert got == full
     assert all(reason == {"type": "stop", "matched": 2} for _, _, reason in got.values())  # the grammar's end
     assert vc.metrics.spec_ngram_accepted_total > 0  # proposals taken under the mask

@@ -96,6 +96,9 @@ class AdaptiveVeriCache:
         self._plan_key = None
         self._last_summary = ""
         self._admit_key, self._admit_answer = None, (True, False)
+        # A KV store that takes compressed pages gets them from folding: then every request folds its
+        # prompt (it may still decode, x = 0), so admission never picks decode-only.
+        self.admission_ways = (False,) if "compressed" in args.kv_store_tier_set else (True, False)
 
     @staticmethod
     def _prior(runner: ModelRunner, two_tier: TwoTierKV) -> StepCostModel:
@@ -157,14 +160,14 @@ class AdaptiveVeriCache:
           decode-only  req's exact KV resident and no compressed tier of its own (it decodes as full
                        mode does; its device room is its exact KV alone), if it fits;
           VeriCache    req's prompt folded into the compressed tier, resident if its exact KV still
-                       fits, else on the host tier;
+                       fits, else on the host tier (the only way when the KV store takes compressed pages);
         req is admitted the better way if that way runs it (a host-tier request the controller
         would park is not admitted: it waits in the queue). Nothing running: always."""
         key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
                self.iteration // REPLAN_EVERY)
         if key != self._admit_key:
             self._admit_key = key
-            best = max((self._predict(req, pending, decode_only) for decode_only in (True, False)),
+            best = max((self._predict(req, pending, decode_only) for decode_only in self.admission_ways),
                        key=lambda x: x[0])
             self._admit_answer = best[1]
         admit, decode_only = self._admit_answer
