@@ -101,7 +101,8 @@ def test_alone_equals_among_other_requests_with_another_chunking(llama, full_alo
 def test_vericache_equals_deterministic_full(llama, full_alone, compressor, dtype, link):
     want, _ = full_alone(dtype)
     vc = _scheduler(llama, dtype, kv_compressor=compressor, speculative_algorithm="VERICACHE",
-                    speculative_num_draft_tokens="3", link_bandwidth=link)
+                    speculative_num_draft_tokens="3", link_bandwidth=link,
+                    vericache_schedule="staggered" if link else "lockstep")  # rounds under test
     _assert_identical(want, _outputs(vc), f"VeriCache {compressor}")
     assert vc.metrics.spec_rounds_total > 0 and vc.server_args.staggered == (link is not None)
     backend = vc.model_runner.attn_backend
@@ -129,5 +130,5 @@ def test_under_load_on_gpu_bfloat16(llama):
     got = _outputs(_scheduler(llama, "bfloat16", chunked_prefill_size=64), crowd=crowd, lens=lens, new=new)
     _assert_identical(want, got, "among 24 requests", new)
     vc = _scheduler(llama, "bfloat16", kv_compressor="snapkv", speculative_algorithm="VERICACHE",
-                    speculative_num_draft_tokens="4")
+                    speculative_num_draft_tokens="4", vericache_schedule="lockstep")
     _assert_identical(want, _outputs(vc, crowd=crowd, lens=lens, new=new), "VeriCache snapkv", new)

@@ -39,9 +39,13 @@ def cpu_flags() -> str:
 
 
 def build_name(source: Path = _SOURCE, prefix: str = "sgl_kernel_ext_cpu", extra_cflags: tuple[str, ...] = ()) -> str:
-    """The build's name: a hash of the source, its extra flags, this CPU's flags and torch's version."""
+    """The build's name: a hash of the source (its text and where it is), its extra flags, this CPU's flags
+    and torch's version. The path is part of it because torch.utils.cpp_extension rebuilds a build
+    directory whose sources moved: two checkouts sharing one would recompile on every alternate load
+    (and wait on each other's lock)."""
     flags = " ".join(extra_cflags).encode()
-    digest = hashlib.sha1(source.read_bytes() + flags + cpu_flags().encode() + torch.__version__.encode())
+    digest = hashlib.sha1(source.read_bytes() + str(source.resolve()).encode() + flags + cpu_flags().encode()
+                          + torch.__version__.encode())
     return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
