@@ -44,6 +44,10 @@ def test_modes():
     drafter = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", disagg_role="drafter",
                          verifier_addr="tcp://127.0.0.1:5555")
     assert (drafter.schedule, drafter.uses_link) == ("lockstep", False)
+    tp2 = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", tp_size=2)
+    assert (tp2.schedule, tp2.adaptive) == ("lockstep", False)
+    with pytest.raises(ValueError, match="--vericache-schedule adaptive is not supported with --tp-size 2"):
+        ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", tp_size=2, vericache_schedule="adaptive")
     with pytest.raises(ValueError, match="--vericache-schedule adaptive / staggered"):
         ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", disagg_role="drafter",
                    verifier_addr="tcp://127.0.0.1:5555", vericache_schedule="adaptive")

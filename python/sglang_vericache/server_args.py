@@ -152,13 +152,14 @@ class ServerArgs(ServerArgsChecks):
 
     @property
     def schedule(self) -> str | None:
-        """The VeriCache schedule in force (None outside VeriCache): auto is adaptive, except on a
-        remote drafter, whose rounds disagg/remote_verify.py drives in lock-step."""
+        """The VeriCache schedule in force (None outside VeriCache). auto is adaptive, except where its
+        controller cannot run: on a remote drafter (disagg/remote_verify.py drives its rounds) and at
+        --tp-size > 1 (the controller would decide from one rank's timings); those run lock-step."""
         if self.kv_mode != "vericache":
             return None
-        if self.disagg_role == "drafter":
-            return "lockstep"
-        return "adaptive" if self.vericache_schedule == "auto" else self.vericache_schedule
+        if self.vericache_schedule != "auto":
+            return self.vericache_schedule
+        return "lockstep" if self.disagg_role == "drafter" or self.tp_size > 1 else "adaptive"
 
     @property
     def staggered(self) -> bool:

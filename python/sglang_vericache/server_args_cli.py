@@ -104,7 +104,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "their length) and admits host-tier requests only while they add throughput; lockstep: all "
              "requests draft, then all verify; staggered: each iteration some verify while the rest draft, "
              "booked against link bandwidth and staging memory (lockstep and staggered: fixed policies, for "
-             "benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter.")
+             "benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter and at --tp-size > 1.")
     add("--verify-staging-tokens", type=int, default=d["verify_staging_tokens"].default,
         help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
              "accelerator; also the longest context a request may have when exact KV is streamed.")
