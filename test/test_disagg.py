@@ -138,7 +138,8 @@ def test_seeded_sampling_equals_full_with_in_process_acceptance(llama, batch, ve
     out = run(d, batch, sampling=SAMPLING)
     assert [r.output_ids for r in out] == full_sampled
     single = run(Scheduler(args(llama, kv_compressor="int8", speculative_algorithm="VERICACHE",
-                                speculative_num_draft_tokens="6")), batch, sampling=SAMPLING)
+                                speculative_num_draft_tokens="6", vericache_schedule="lockstep")),
+                 batch, sampling=SAMPLING)
     for key in ("spec_rounds", "spec_drafted_tokens", "spec_accepted_tokens"):
         assert [r.meta[key] for r in out] == [r.meta[key] for r in single]
     assert sum(r.meta["spec_accepted_tokens"] for r in out) > len(batch) * NEW // 2

@@ -60,7 +60,10 @@ WORKLOAD = {"gpu": (16, 4096, 256, 16, "bfloat16"), "dry": (3, 40, 8, 8, "float3
 SNAPKV = {"kv_compressor": "snapkv", "kv_compression_ratio": 4.0}
 MODES = {
     "full": {},
-    "vericache": {**SNAPKV, "speculative_algorithm": "VERICACHE", "speculative_num_draft_tokens": "8"},
+    # lock-step rounds (graph replays and tokens per round are checked); vc-auto: the default, adaptive
+    "vericache": {**SNAPKV, "speculative_algorithm": "VERICACHE", "speculative_num_draft_tokens": "8",
+                  "vericache_schedule": "lockstep"},
+    "vc-auto": {**SNAPKV, "speculative_algorithm": "VERICACHE", "speculative_num_draft_tokens": "8"},
     "lossy": SNAPKV,
 }
 

@@ -4,7 +4,8 @@ Attention itself is torch's scaled_dot_product_attention with a boolean mask (on
 fused kernel that keeps softmax statistics in float32: about 2x faster than eager matmuls
 for decode, and float32 results within ~1e-6 of HF's eager attention). GQA is done by
 grouping the query heads that share a KV head (head h uses KV head h // group, as HF's
-repeat_kv), never by copying K/V.
+repeat_kv), never by copying K/V. The arithmetic (SDPA with a mask, grouped SDPA, the batch-invariant
+kernel) is in torch_attend.py; this module plans layouts and assembles contexts.
 
 Two layouts, chosen per forward in init_forward_metadata:
 - padded: every request's queries padded to Lq = max new tokens and its KV gathered to
@@ -38,7 +39,6 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from sglang_vericache.layers.attention.base import AttentionBackend
 from sglang_vericache.layers.attention.draft_kernel import fused_draft_attention, fused_draft_available
@@ -51,6 +51,15 @@ from sglang_vericache.layers.attention.staged_metadata import (
     StagedMetadata,
     build_staged_metadata,
     staged_context,
+)
+from sglang_vericache.layers.attention.torch_attend import (
+    gather_into,
+    grouped_sdpa,
+    invariant_attend,
+    invariant_context,
+    invariant_kernel,
+    sdpa_attend,
+    sdpa_mask,
 )
 
 if TYPE_CHECKING:
@@ -106,19 +115,6 @@ def _causal_mask(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, q_len: int, 
     i = torch.arange(q_len, device=dev)[None, :, None]
     j = torch.arange(kv_len, device=dev)[None, None, :]
     return (j <= prefix_lens[:, None, None] + i) & (j < seq_lens[:, None, None])
-
-
-def _sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | None:
-    """The mask for query rows ordered (group g, query i) -> row g*Lq + i: [B, 1, G*Lq, S] (cached)."""
-    if md.allowed is None:
-        return None
-    if group not in md.masks:
-        bs, q_len, s = md.allowed.shape
-        if q_len == 1:
-            md.masks[group] = md.allowed[:, None]  # [B, 1, 1, S] broadcasts over the group
-        else:
-            md.masks[group] = md.allowed[:, None, None].expand(bs, 1, group, q_len, s).reshape(bs, 1, -1, s)
-    return md.masks[group]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -267,7 +263,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
-        attend = partial(_invariant_attend, kernel=self.invariant_kernel) if self.deterministic else _attend
+        attend = sdpa_attend
+        if self.deterministic:
+            attend = partial(invariant_attend, kernel=self.invariant_kernel)
         if isinstance(md, PaddedMetadata):
             qp = q if md.q_index is None else q.index_select(0, md.q_index)
             out = attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
@@ -302,7 +300,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, out_loc, k.reshape(t, layer.num_kv_heads, layer.head_dim),
                                v.reshape(t, layer.num_kv_heads, layer.v_head_dim))
-        attend = partial(_invariant_attend, kernel=self.invariant_kernel) if self.deterministic else _attend
+        attend = sdpa_attend
+        if self.deterministic:
+            attend = partial(invariant_attend, kernel=self.invariant_kernel)
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         out = attend(qp, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md,
                      md.batch_size, md.q_len, layer)
@@ -329,11 +329,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             staged.release(lid)  # copied out: the ring slot can take layer lid + depth now
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         if self.deterministic:
-            out = _invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer,
-                                     self.invariant_kernel)
+            out = invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer,
+                                    self.invariant_kernel)
         else:
-            out = _grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
-                                _sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
+            out = grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
+                               sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
         return out if md.out_index is None else out.index_select(0, md.out_index)
 
     def _forward_draft(self, q, k, v, layer, ctx, exact, out_loc, md: DraftMetadata, save_kv_cache: bool):
@@ -369,99 +369,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_ctx = torch.empty((s * bs, hkv, dv), dtype=q.dtype, device=q.device)
         row = 0
         for k_src, v_src, flat in parts:
-            _gather_into(k_ctx[row : row + len(flat)], k_src, flat)
-            _gather_into(v_ctx[row : row + len(flat)], v_src, flat)
+            gather_into(k_ctx[row : row + len(flat)], k_src, flat)
+            gather_into(v_ctx[row : row + len(flat)], v_src, flat)
             row += len(flat)
         mask = md.mask(layout)  # [B, 1, 1, S] or None
         if self.deterministic:  # key j of request b is row j * bs + b of the context
             index = torch.arange(s * bs, device=q.device).view(s, bs).T
             allowed = None if mask is None else mask[:, 0]
-            return _invariant_kernel(q.view(bs, 1, *q.shape[1:]), k_ctx, v_ctx, index, allowed, layer,
-                                     self.invariant_kernel)
+            return invariant_kernel(q.view(bs, 1, *q.shape[1:]), k_ctx, v_ctx, index, allowed, layer,
+                                    self.invariant_kernel)
         keys = k_ctx.view(s, bs, hkv, d).permute(1, 2, 0, 3)  # [B, Hkv, S, D]
         values = v_ctx.view(s, bs, hkv, dv).permute(1, 2, 0, 3)
-        return _grouped_sdpa(q, keys, values, mask, bs, 1, layer)
-
-
-def _attend(
-    q: torch.Tensor,  # [B*Lq, H, D], request-major
-    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
-    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-    md: PaddedMetadata | RaggedBlock,  # kv_index [B, S] and the mask
-    bs: int,
-    q_len: int,
-    layer: RadixAttention,
-) -> torch.Tensor:
-    """-> [B*Lq, H*Dv]."""
-    h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    g = h // hkv
-    s = md.kv_index.shape[1]
-    flat = md.kv_index.reshape(-1)
-    keys = k_buf.index_select(0, flat).view(bs, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
-    values = v_buf.index_select(0, flat).view(bs, s, hkv, -1).transpose(1, 2)  # [B, Hkv, S, Dv]
-    if keys.dtype != q.dtype:
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-    if md.causal:  # a prompt from position 0: the causal kernel skips the masked half of the scores
-        qh = q.view(bs, q_len, h, d).transpose(1, 2)  # [B, H, Lq, D]; head i reads KV head i // g
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=layer.scaling,
-                                             enable_gqa=True)
-        return out.transpose(1, 2).reshape(bs * q_len, -1)
-    return _grouped_sdpa(q, keys, values, _sdpa_mask(md, g), bs, q_len, layer)
-
-
-def _invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention, kernel=None) -> torch.Tensor:
-    """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype,
-    through `kernel` (fixed_chunk_attention's interface; None: the CPU kernel)."""
-    if kernel is None:
-        from sgl_kernel_ext.cpu_attention import fixed_chunk_attention as kernel
-
-    out = kernel(q, k_src, v_src, index, allowed, layer.scaling)
-    return out.to(q.dtype).reshape(q.shape[0] * q.shape[1], -1)
-
-
-def _invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int, q_len: int,
-                      layer: RadixAttention, kernel=None) -> torch.Tensor:
-    """_attend through the batch-invariant kernel, reading the pool in place (no gather)."""
-    index, allowed = md.kv_index, md.allowed
-    if k_buf.dtype != q.dtype:  # --kv-cache-dtype: gather, then read in the compute dtype
-        s = index.shape[1]
-        k_buf = k_buf.index_select(0, index.reshape(-1)).to(q.dtype)
-        v_buf = v_buf.index_select(0, index.reshape(-1)).to(q.dtype)
-        index = torch.arange(bs * s, device=q.device).view(bs, s)
-    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer, kernel)
-
-
-def _invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention,
-                       kernel=None) -> torch.Tensor:
-    """q [B*Lq, H, D] over assembled contexts keys / values [B, S, Hkv, D] -> [B*Lq, H*Dv]."""
-    s = keys.shape[1]
-    index = torch.arange(bs * s, device=q.device).view(bs, s)
-    return _invariant_kernel(q.view(bs, q_len, *q.shape[1:]), keys.reshape(bs * s, *keys.shape[2:]),
-                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer, kernel)
-
-
-def _grouped_sdpa(
-    q: torch.Tensor,  # [B*Lq, H, D], request-major
-    keys: torch.Tensor,  # [B, Hkv, S, D]
-    values: torch.Tensor,  # [B, Hkv, S, Dv]
-    mask: torch.Tensor | None,  # [B, 1, G*Lq or 1, S] bool
-    bs: int,
-    q_len: int,
-    layer: RadixAttention,
-) -> torch.Tensor:
-    """GQA without copying K/V: query heads grouped by their KV head, rows ordered (g, i). -> [B*Lq, H*Dv]."""
-    hkv, d = layer.num_kv_heads, layer.head_dim
-    g = layer.num_heads // hkv
-    qg = q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=layer.scaling)
-    return out.view(bs, hkv, g, q_len, -1).permute(0, 3, 1, 2, 4).reshape(bs * q_len, -1)
-
-
-def _gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """out[i] = src[index[i]] (out contiguous), converting dtype if needed."""
-    if len(index) == 0:
-        return
-    if src.dtype == out.dtype:
-        torch.index_select(src, 0, index, out=out)
-    else:
-        out.copy_(src.index_select(0, index))
+        return grouped_sdpa(q, keys, values, mask, bs, 1, layer)

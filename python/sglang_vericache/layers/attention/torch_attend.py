@@ -1,0 +1,112 @@
+"""The attention arithmetic of the torch path (TorchNativeAttnBackend and the backends that fall back
+to it): SDPA over gathered K/V with a boolean mask, GQA by grouping query heads (never copying K/V),
+and the batch-invariant kernel (--enable-deterministic-inference) reading the pool in place.
+Every function returns [B*Lq, H*Dv] rows in request-major order."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sglang_vericache.layers.attention.torch_backend import PaddedMetadata, RaggedBlock
+    from sglang_vericache.layers.radix_attention import RadixAttention
+
+
+def sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | None:
+    """The mask for query rows ordered (group g, query i) -> row g*Lq + i: [B, 1, G*Lq, S] (cached)."""
+    if md.allowed is None:
+        return None
+    if group not in md.masks:
+        bs, q_len, s = md.allowed.shape
+        if q_len == 1:
+            md.masks[group] = md.allowed[:, None]  # [B, 1, 1, S] broadcasts over the group
+        else:
+            md.masks[group] = md.allowed[:, None, None].expand(bs, 1, group, q_len, s).reshape(bs, 1, -1, s)
+    return md.masks[group]
+
+
+def sdpa_attend(
+    q: torch.Tensor,  # [B*Lq, H, D], request-major
+    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+    md: PaddedMetadata | RaggedBlock,  # kv_index [B, S] and the mask
+    bs: int,
+    q_len: int,
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """-> [B*Lq, H*Dv]."""
+    h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    g = h // hkv
+    s = md.kv_index.shape[1]
+    flat = md.kv_index.reshape(-1)
+    keys = k_buf.index_select(0, flat).view(bs, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
+    values = v_buf.index_select(0, flat).view(bs, s, hkv, -1).transpose(1, 2)  # [B, Hkv, S, Dv]
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if md.causal:  # a prompt from position 0: the causal kernel skips the masked half of the scores
+        qh = q.view(bs, q_len, h, d).transpose(1, 2)  # [B, H, Lq, D]; head i reads KV head i // g
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=layer.scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(bs * q_len, -1)
+    return grouped_sdpa(q, keys, values, sdpa_mask(md, g), bs, q_len, layer)
+
+
+def invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention, kernel=None) -> torch.Tensor:
+    """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype,
+    through `kernel` (fixed_chunk_attention's interface; None: the CPU kernel)."""
+    if kernel is None:
+        from sgl_kernel_ext.cpu_attention import fixed_chunk_attention as kernel
+
+    out = kernel(q, k_src, v_src, index, allowed, layer.scaling)
+    return out.to(q.dtype).reshape(q.shape[0] * q.shape[1], -1)
+
+
+def invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int, q_len: int,
+                      layer: RadixAttention, kernel=None) -> torch.Tensor:
+    """attend through the batch-invariant kernel, reading the pool in place (no gather)."""
+    index, allowed = md.kv_index, md.allowed
+    if k_buf.dtype != q.dtype:  # --kv-cache-dtype: gather, then read in the compute dtype
+        s = index.shape[1]
+        k_buf = k_buf.index_select(0, index.reshape(-1)).to(q.dtype)
+        v_buf = v_buf.index_select(0, index.reshape(-1)).to(q.dtype)
+        index = torch.arange(bs * s, device=q.device).view(bs, s)
+    return invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer, kernel)
+
+
+def invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention,
+                       kernel=None) -> torch.Tensor:
+    """q [B*Lq, H, D] over assembled contexts keys / values [B, S, Hkv, D] -> [B*Lq, H*Dv]."""
+    s = keys.shape[1]
+    index = torch.arange(bs * s, device=q.device).view(bs, s)
+    return invariant_kernel(q.view(bs, q_len, *q.shape[1:]), keys.reshape(bs * s, *keys.shape[2:]),
+                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer, kernel)
+
+
+def grouped_sdpa(
+    q: torch.Tensor,  # [B*Lq, H, D], request-major
+    keys: torch.Tensor,  # [B, Hkv, S, D]
+    values: torch.Tensor,  # [B, Hkv, S, Dv]
+    mask: torch.Tensor | None,  # [B, 1, G*Lq or 1, S] bool
+    bs: int,
+    q_len: int,
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """GQA without copying K/V: query heads grouped by their KV head, rows ordered (g, i). -> [B*Lq, H*Dv]."""
+    hkv, d = layer.num_kv_heads, layer.head_dim
+    g = layer.num_heads // hkv
+    qg = q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=layer.scaling)
+    return out.view(bs, hkv, g, q_len, -1).permute(0, 3, 1, 2, 4).reshape(bs * q_len, -1)
+
+
+def gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """out[i] = src[index[i]] (out contiguous), converting dtype if needed."""
+    if len(index) == 0:
+        return
+    if src.dtype == out.dtype:
+        torch.index_select(src, 0, index, out=out)
+    else:
+        out.copy_(src.index_select(0, index))
