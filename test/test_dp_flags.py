@@ -63,6 +63,14 @@ def test_dp_size_below_1_is_refused(capsys):
     assert code == 2 and err.endswith("error: --dp-size must be >= 1, got 0")
 
 
+def test_one_rendezvous_address_for_every_replica_is_refused(capsys):
+    code, err = run_main(["--model-path", MODEL, "--dp-size", "2", "--tp-size", "2", "--dist-init-addr",
+                          "127.0.0.1:29500"], capsys)
+    assert code == 2 and err.endswith("error: --dist-init-addr with --dp-size > 1: every replica's ranks would "
+                                      "meet at that one address; leave it unset (each replica's ranks then "
+                                      "meet on a free local port)")
+
+
 def test_dp_size_with_a_taken_port_is_refused(capsys):
     pytest.importorskip("sglang_router")
     with socket.socket() as s:

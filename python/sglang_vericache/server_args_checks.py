@@ -221,6 +221,9 @@ class ServerArgsChecks:
         if self.dp_size > 1 and self.disagg_role == "verifier":
             raise ValueError("--dp-size with --disagg-role verifier: a verifier serves no HTTP for a router; "
                              "start one verifier process per drafter instead")
+        if self.dp_size > 1 and self.dist_init_addr is not None:
+            raise ValueError("--dist-init-addr with --dp-size > 1: every replica's ranks would meet at that one "
+                             "address; leave it unset (each replica's ranks then meet on a free local port)")
         if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
