@@ -10,7 +10,8 @@
 // Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
 // go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
 // result depends on its query and its keys only: not on the batch, other rows, padding or the
-// thread count. A score is a dot product over D in 8-lane partial sums, lanes added in a fixed tree.
+// thread count. The dot products and the online softmax are attention_common.h's (shared with
+// fixed_chunk_attention.cpp).
 //
 //   q           [B, H, D] float32 (contiguous); round_to 0 none, 1 bfloat16, 2 float16
 //   comp        kind 0 token_drop: [k, v] rows [NC, R, Hkv, D] (float32 / bfloat16 / float16)
@@ -24,67 +25,18 @@
 //   -> out      [B, H, Dv] float32
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define DRAFT_AVX2 1
-#endif
+#include "attention_common.h"
 
 namespace {
 
-constexpr int64_t CHUNK = 64;
-constexpr int64_t VW = 8;
-typedef float vfloat __attribute__((vector_size(VW * sizeof(float))));
+using namespace attn;
 
 enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3 };
-enum Elem : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-inline vfloat vload(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {  // a * b + c
-#ifdef DRAFT_AVX2
-  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-
-inline void halves_to_float(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
-
-inline void bf16s_to_float(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    dst[i] = f;
-  }
-}
-
-typedef int32_t vint __attribute__((vector_size(VW * sizeof(int32_t))));
 typedef uint8_t vbyte __attribute__((vector_size(VW)));
 
 // Rounds float32 x[0, n) in place to the nearest bfloat16 / float16 (ties to even), as a cast to that
@@ -110,7 +62,7 @@ inline void round_row(float* x, int64_t n, Elem to) {
 // dst[i] = float(float8_e4m3fn byte src[i]) * scale, exactly as torch converts (bias 7, no
 // infinities, 0x7F / 0xFF NaN), 8 at a time in integer ops; n a multiple of 8.
 inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
-#if defined(DRAFT_AVX2) && defined(__F16C__)
+#if defined(ATTN_AVX2) && defined(__F16C__)
   // e4m3 bits moved into a float16's (sign, exponent, mantissa) are the same number times 2^-8,
   // subnormals included; the hardware conversion is exact, and (x * 2^-8) * (scale * 2^8) rounds
   // once, exactly as x * scale.
@@ -128,7 +80,7 @@ inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
   return;
 #endif
   for (int64_t i = 0; i < n; i += VW) {
-#ifdef DRAFT_AVX2
+#ifdef ATTN_AVX2
     const vint byte = (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
 #else
     vbyte raw;
@@ -147,18 +99,6 @@ inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
     std::memcpy(&f, &bits, sizeof(f));
     vstore(dst + i, f * scale);
   }
-}
-
-// A row of an exact-dtype source as float32: a pointer into the source when it is float32,
-// else converted into buf.
-inline const float* exact_row(const void* base, Elem e, int64_t offset, int64_t n, float* buf) {
-  if (e == F32) return static_cast<const float*>(base) + offset;
-  const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-  if (e == BF16)
-    bf16s_to_float(src, buf, n);
-  else
-    halves_to_float(src, buf, n);
-  return buf;
 }
 
 typedef uint32_t vuint __attribute__((vector_size(VW * sizeof(uint32_t))));
@@ -187,82 +127,6 @@ inline void kivi_row_grouped(const uint8_t* packed, const uint16_t* scale, const
     const float sc = half_to_float(scale[gi]), z = half_to_float(zero[gi]);
     for (int64_t e = i; e < i + group; e += VW) vstore(dst + e, kivi_codes<BITS>(packed, e) * sc + z);
   }
-}
-
-// s[c] = dot(q, k[c]) for 8 keys; D a multiple of 8.
-inline void dot8(const float* q, const float* const* k, int64_t D, float* s) {
-  vfloat a[8] = {};
-  for (int64_t j = 0; j < D; j += VW) {
-    const vfloat qj = vload(q + j);
-    for (int c = 0; c < 8; ++c) a[c] = fmadd(qj, vload(k[c] + j), a[c]);
-  }
-#ifdef DRAFT_AVX2
-  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  _mm256_storeu_ps(s, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
-#else
-  for (int c = 0; c < 8; ++c) {
-    const vfloat v = a[c];
-    s[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-  }
-#endif
-}
-
-// acc[d0 : d0 + 8*NV] += sum over c < cn of p[c] * v[c][d0 : ...], keys in order.
-template <int NV>
-inline void pv_block(float* acc, const float* p, const float* const* v, int64_t cn, int64_t d0) {
-  vfloat a[NV];
-  for (int j = 0; j < NV; ++j) a[j] = vload(acc + d0 + j * VW);
-  for (int64_t c = 0; c < cn; ++c) {
-    const vfloat pc = vfloat{} + p[c];
-    const float* vr = v[c] + d0;
-    for (int j = 0; j < NV; ++j) a[j] = fmadd(pc, vload(vr + j * VW), a[j]);
-  }
-  for (int j = 0; j < NV; ++j) vstore(acc + d0 + j * VW, a[j]);
-}
-
-inline void pv(float* acc, const float* p, const float* const* v, int64_t cn, int64_t Dv) {
-  int64_t d0 = 0;
-  for (; d0 + 64 <= Dv; d0 += 64) pv_block<8>(acc, p, v, cn, d0);
-  switch ((Dv - d0) / VW) {
-    case 7: pv_block<7>(acc, p, v, cn, d0); break;
-    case 6: pv_block<6>(acc, p, v, cn, d0); break;
-    case 5: pv_block<5>(acc, p, v, cn, d0); break;
-    case 4: pv_block<4>(acc, p, v, cn, d0); break;
-    case 3: pv_block<3>(acc, p, v, cn, d0); break;
-    case 2: pv_block<2>(acc, p, v, cn, d0); break;
-    case 1: pv_block<1>(acc, p, v, cn, d0); break;
-    default: break;
-  }
-}
-
-// exp for x <= 0 (a score minus its row's max), Cephes' expf polynomial (about 1 ulp), 8 lanes
-// at a time; each step rounded on its own (no contraction), so every lane computes the same function.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat lo = vfloat{} - 87.0f;
-  const vfloat xc = x < lo ? lo : x;
-  const vfloat t = xc * 1.44269504088896341f + 0.5f;
-#ifdef DRAFT_AVX2
-  const vfloat n = (vfloat)_mm256_floor_ps((__m256)t);
-#else
-  vfloat n;
-  for (int i = 0; i < VW; ++i) n[i] = std::floor(t[i]);
-#endif
-  vfloat r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vfloat y = vfloat{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const vfloat e = y * scale;
-  return x < lo ? vfloat{} : e;
 }
 
 struct Part {  // exact rows (tail or drafts): slot index[b, i], i < lens[b]
@@ -357,12 +221,6 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
   }
 }
 
-inline float lane_max(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < VW; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
 // The G query heads of KV head hk of request b over its keys, CHUNK at a time.
 void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
                  float scale, int64_t b, int64_t hk, float* out, Scratch& st) {
@@ -403,30 +261,8 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       }
     }
     for (int64_t c = cn; c < cn8; ++c) kp[c] = st.zero.data();  // padding lanes: score set to -inf below
-    float* s = st.s.data();
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t c = 0; c < cn8; c += VW) dot8(st.qf.data() + g * D, kp + c, D, s + c);
-      for (int64_t c = cn; c < cn8; ++c) s[c] = -std::numeric_limits<float>::infinity();
-      vfloat vmax = vfloat{} + st.m[g];
-      for (int64_t c = 0; c < cn8; c += VW) {
-        const vfloat x = vload(s + c);
-        vmax = x > vmax ? x : vmax;
-      }
-      const float mc = lane_max(vmax);
-      const float alpha = std::exp(st.m[g] - mc);  // exp(-inf) = 0 on the first chunk
-      vfloat vsum = {};
-      for (int64_t c = 0; c < cn8; c += VW) {
-        const vfloat p = exp_nonpositive(vload(s + c) - mc);  // padding lanes: 0
-        vstore(s + c, p);
-        vsum += p;
-      }
-      const float sum = ((vsum[0] + vsum[1]) + (vsum[2] + vsum[3])) + ((vsum[4] + vsum[5]) + (vsum[6] + vsum[7]));
-      st.l[g] = st.l[g] * alpha + sum;
-      st.m[g] = mc;
-      float* a = st.acc.data() + g * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-      pv(a, s, vp, cn, Dv);
-    }
+    for (int64_t g = 0; g < G; ++g)
+      attend_chunk(st.qf.data() + g * D, kp, vp, cn, D, Dv, st.s.data(), st.m[g], st.l[g], st.acc.data() + g * Dv);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* o = out + (b * sh.H + hk * G + g) * Dv;
