@@ -14,7 +14,7 @@ from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, default_model_path
 from sglang_vericache.testing.random_checkpoints import FAMILIES, make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import make_request, outputs_alone_or_among, run_to_completion
 
 NEW = 24
 TARGET_LENS = [5, 37, 70, 130]  # the requests compared
@@ -45,13 +45,7 @@ def request(rid, ids, sampling=None, seed=0, new=NEW):
 def outputs(sched, prompts, sampling=None, alone=False, crowd=()):
     """(output ids, output logprobs) of each prompt: all at once with the crowd's requests, or one at a time."""
     targets = [request(f"t{i}", ids, sampling, seed=100 + i) for i, ids in enumerate(prompts)]
-    if alone:
-        res = {}
-        for r in targets:
-            res.update(run_to_completion(sched, [r]))
-    else:
-        res = run_to_completion(sched, [*targets, *crowd])
-    return [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in targets]
+    return outputs_alone_or_among(sched, targets, alone, crowd)
 
 
 def crowd(n=28, seed=7):

@@ -16,7 +16,7 @@ pytest.importorskip("sgl_kernel_ext", reason="sgl-kernel-ext is not installed (p
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import make_request, outputs_alone_or_among
 
 NEW = 5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
@@ -56,13 +56,7 @@ def _request(rid, ids, new=NEW):
 def _outputs(sched, alone=False, crowd=(), lens=PROMPT_LENS, new=NEW):
     """(output ids, output logprobs) of each `lens` prompt: one at a time, or all with the crowd."""
     targets = [_request(f"t{i}", ids, new) for i, ids in enumerate(_prompts(lens, 1))]
-    if alone:
-        res = {}
-        for r in targets:
-            res.update(run_to_completion(sched, [r]))
-    else:
-        res = run_to_completion(sched, [*targets, *crowd])
-    return [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in targets]
+    return outputs_alone_or_among(sched, targets, alone, crowd)
 
 
 @pytest.fixture(scope="module")

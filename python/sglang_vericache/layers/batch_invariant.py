@@ -21,7 +21,12 @@ VeriCache verify pass.
   invariant by construction, so nothing is probed.
 - Attention: sgl_kernel_ext.cpu_attention (fixed chunks of visible keys, float32 statistics); with the
   triton backend sgl_kernel_ext.fixed_split_attention (the same chunking, as Triton tiles).
-- Norms, softmax, log_softmax and the sampler already work per row (checked in the tests).
+- Norms, softmax, log_softmax and the sampler work per row on a CPU (checked in the tests). On a GPU
+  torch's CUDA reductions pick their split from the tensor's shape, so on the triton backend
+  (`row_kernels`, by default when the model is on CUDA) RMSNorm is sgl_kernel_ext.batch_invariant_rmsnorm
+  and the sampler's log_softmax / logsumexp sgl_kernel_ext.batch_invariant_softmax (one program per
+  row, fixed block order); `uses_triton_row_kernels` says when. On a CPU they stay torch's: the
+  interpreter would run them one row-program at a time.
 """
 
 from __future__ import annotations
@@ -153,15 +158,30 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
     )
 
 
-def enable_batch_invariance(model: torch.nn.Module, attention_backend: str = "torch") -> tuple[str, int]:
-    """Switch the model's linear layers and activations to batch-invariant arithmetic; -> the linear
+def uses_triton_row_kernels(enable_deterministic_inference: bool, attention_backend: str, device) -> bool:
+    """RMSNorm and the sampler's log_softmax / logsumexp through the Triton kernels (module docstring)?"""
+    return enable_deterministic_inference and attention_backend == "triton" and str(device).startswith("cuda")
+
+
+def enable_batch_invariance(model: torch.nn.Module, attention_backend: str = "torch",
+                            row_kernels: bool | None = None) -> tuple[str, int]:
+    """Switch the model's linear layers and activations (and with row_kernels its RMSNorms; None:
+    on the triton backend with the model on CUDA) to batch-invariant arithmetic; -> the linear
     mode (TRITON_MODE with the triton backend, else the probe's choice)."""
     from sglang_vericache.layers.activation import SiluAndMul
+    from sglang_vericache.layers.layernorm import RMSNorm
     from sglang_vericache.layers.linear import Linear
 
     mode = TRITON_MODE if attention_backend == "triton" else choose_linear_mode(model)
+    if row_kernels is None:
+        row_kernels = uses_triton_row_kernels(True, attention_backend, next(model.parameters(), torch.empty(0)).device)
+    norm_kernel = None
+    if row_kernels:
+        from sgl_kernel_ext.batch_invariant_rmsnorm import rms_norm as norm_kernel
     for mod in model.modules():
-        if isinstance(mod, Linear):
+        if isinstance(mod, RMSNorm):
+            mod.batch_invariant_kernel = norm_kernel
+        elif isinstance(mod, Linear):
             mod.batch_invariant_mode = mode
         elif isinstance(mod, SiluAndMul):
             mod.batch_invariant = True

@@ -15,6 +15,11 @@ are hashed, which gives the same result as hashing the whole vocabulary.
 Logprobs are log_softmax of the RAW logits (before penalties, temperature and filtering) at the
 chosen token, i.e. the model's own distribution; top logprobs likewise, sorted descending, lower
 token id first among equal values inside the returned k.
+
+Row reductions: log_softmax and logsumexp are torch's (per row on a CPU). With
+--enable-deterministic-inference on the triton backend on a GPU, `Sampler(batch_invariant_triton=True)`
+computes them with sgl_kernel_ext's batch-invariant Triton kernels instead (torch's CUDA reductions
+choose their split from the tensor's shape, so a row's bits could follow the batch size).
 """
 
 from __future__ import annotations
@@ -69,8 +74,17 @@ def _prefix_len(
     return torch.where(keep, width, rank).min(dim=-1).values
 
 
+def _torch_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x, dim=-1)
+
+
+def _torch_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x, dim=-1)
+
+
 def kept_mask(
-    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+    logsumexp=_torch_logsumexp,
 ) -> torch.Tensor:
     """bool[rows, V]: the kept set of each row (see the module docstring)."""
     vocab = x.shape[-1]
@@ -79,16 +93,17 @@ def kept_mask(
     widths = torch.where(top_ks < vocab, top_ks, torch.full_like(top_ks, _WINDOW)).clamp(max=vocab)
     groups = widths.unique().tolist()
     if len(groups) == 1:
-        return _kept_mask_window(x, top_ks, top_ps, min_ps, groups[0])
+        return _kept_mask_window(x, top_ks, top_ps, min_ps, groups[0], logsumexp)
     keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     for w in groups:
         rows = (widths == w).nonzero().squeeze(1)
-        keep[rows] = _kept_mask_window(x[rows], top_ks[rows], top_ps[rows], min_ps[rows], w)
+        keep[rows] = _kept_mask_window(x[rows], top_ks[rows], top_ps[rows], min_ps[rows], w, logsumexp)
     return keep
 
 
 def _kept_mask_window(
-    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, window: int
+    x: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, window: int,
+    logsumexp=_torch_logsumexp,
 ) -> torch.Tensor:
     """kept_mask for rows whose candidate window is `window` tokens (top_k, or _WINDOW without one)."""
     vocab = x.shape[-1]
@@ -96,9 +111,9 @@ def _kept_mask_window(
     # topk's values are well defined even where the order of equal values is not.
     vals = torch.topk(x, window, dim=-1, sorted=True).values
     in_k = torch.arange(window, device=x.device).unsqueeze(0) < top_ks.unsqueeze(1)
-    lse = torch.logsumexp(vals.masked_fill(~in_k, _NEG_INF), dim=-1)
+    lse = logsumexp(vals.masked_fill(~in_k, _NEG_INF))
     if not bool(has_k.all()):
-        lse = torch.where(has_k, lse, torch.logsumexp(x, dim=-1))
+        lse = torch.where(has_k, lse, logsumexp(x))
     n = _prefix_len(vals, lse, top_ks, top_ps, min_ps)
     boundary = vals.gather(1, (n - 1).clamp(max=window - 1).unsqueeze(1)).squeeze(1)
     undecided = (n >= window) & (window < top_ks)
@@ -135,6 +150,14 @@ def _sample_masked(
 
 
 class Sampler:
+    def __init__(self, batch_invariant_triton: bool = False) -> None:
+        """batch_invariant_triton: log_softmax / logsumexp through sgl_kernel_ext's Triton kernels."""
+        self.log_softmax, self.logsumexp = _torch_log_softmax, _torch_logsumexp
+        if batch_invariant_triton:
+            from sgl_kernel_ext.batch_invariant_softmax import log_softmax, logsumexp
+
+            self.log_softmax, self.logsumexp = log_softmax, logsumexp
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -160,12 +183,13 @@ class Sampler:
             filtered = info.row_index("filtered")
             if filtered.numel():
                 x = penalized[filtered] / info.temperatures[filtered].unsqueeze(1)
-                keep = kept_mask(x, info.top_ks[filtered], info.top_ps[filtered], info.min_ps[filtered])
+                keep = kept_mask(x, info.top_ks[filtered], info.top_ps[filtered], info.min_ps[filtered],
+                                 self.logsumexp)
                 next_ids[filtered] = _sample_masked(x, keep, info.seeds[filtered], info.positions[filtered])
 
         out = SampleOutput(next_token_ids=next_ids)
         if return_logprob or top_logprobs_num > 0:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = self.log_softmax(logits)
             if return_logprob:
                 out.logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             if top_logprobs_num > 0:

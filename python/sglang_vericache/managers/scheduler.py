@@ -109,9 +109,12 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
 
             self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
+        from sglang_vericache.layers.batch_invariant import uses_triton_row_kernels
         from sglang_vericache.layers.sampler import RankZeroSampler, Sampler
 
-        self.sampler = Sampler() if self.tp.size == 1 else RankZeroSampler(Sampler(), self.tp)
+        sampler = Sampler(uses_triton_row_kernels(server_args.enable_deterministic_inference,
+                                                  server_args.attention_backend, server_args.device))
+        self.sampler = sampler if self.tp.size == 1 else RankZeroSampler(sampler, self.tp)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None

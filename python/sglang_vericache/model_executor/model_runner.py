@@ -51,13 +51,15 @@ class ModelRunner:
         if not self.server_args.enable_deterministic_inference:
             logger.info("deterministic inference: off (outputs may differ in the last bits with batch composition)")
             return None
-        from sglang_vericache.layers.batch_invariant import enable_batch_invariance
+        from sglang_vericache.layers.batch_invariant import enable_batch_invariance, uses_triton_row_kernels
 
         backend = self.server_args.attention_backend
         if backend == "triton":  # Triton kernels: batch_invariant_matmul and fixed_split_attention
             mode = enable_batch_invariance(self.model, backend)
+            rows = ("Triton RMSNorm and sampler log_softmax" if uses_triton_row_kernels(True, backend, self.device)
+                    else "torch's per-row RMSNorm and log_softmax (CPU)")
             logger.info("deterministic inference: on (triton backend: batch-invariant Triton matmul; "
-                        "fixed-split attention, chunks of 64 keys)")
+                        "fixed-split attention, chunks of 64 keys; %s)", rows)
             return mode
         from sgl_kernel_ext import cpu_attention
 

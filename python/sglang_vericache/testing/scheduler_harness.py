@@ -84,6 +84,21 @@ def greedy_outputs(scheduler: Scheduler, prompts: list[list[int]], max_new_token
     return [res[r.rid].output_ids for r in reqs]
 
 
+def outputs_alone_or_among(
+    scheduler: Scheduler, targets: list[TokenizedGenerateReqInput], alone: bool = False,
+    crowd: tuple[TokenizedGenerateReqInput, ...] | list[TokenizedGenerateReqInput] = (),
+) -> list[tuple[list[int], list]]:
+    """(output ids, output logprobs) of each target request: one at a time (alone), or all at once
+    together with the crowd's requests (which are run but not returned)."""
+    if alone:
+        res = {}
+        for r in targets:
+            res.update(run_to_completion(scheduler, [r]))
+    else:
+        res = run_to_completion(scheduler, [*targets, *crowd])
+    return [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in targets]
+
+
 def record_forwards(runner) -> list[tuple[str, torch.Tensor]]:
     """Wraps runner.forward (a ModelRunner's): each forward appends (its mode's name, its logits)."""
     forwards, inner = [], runner.forward
