@@ -2,7 +2,10 @@
 VeriCache, on the bundled model and on a ~300M-parameter Llama shape (--load-format dummy), in one
 run, medians of --repeats (runs interleaved, so drift hits every mode alike).
 
-    .venv/bin/python benchmark/bench_determinism.py            # ~10 min on 2 cores
+    PYTHONPATH=python:sgl-kernel-ext/python .venv/bin/python benchmark/bench_determinism.py   # ~6 min on 2 cores
+
+(the defaults are the published table's: 8 x (256 + 64) on the bundled model, torch's default
+threads). On a loaded machine the figures are ratios between modes of the same run only.
 
 It also checks what the flag promises: with it on, VeriCache's output equals full mode's token for
 token; the table says so per model. Results: benchmark/results/determinism.{json,md}.
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,9 +56,9 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="Runs per (model, mode, flag); the median is reported.")
-    p.add_argument("--requests", type=int, default=16, help="Concurrent requests per run.")
-    p.add_argument("--input-len", type=int, default=384, help="Prompt tokens per request.")
-    p.add_argument("--output-len", type=int, default=96, help="Output tokens per request.")
+    p.add_argument("--requests", type=int, default=8, help="Concurrent requests per run.")
+    p.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
+    p.add_argument("--output-len", type=int, default=64, help="Output tokens per request.")
     p.add_argument("--skip-300m", action="store_true", help="Only the bundled model.")
     p.add_argument("--out", default="determinism", help="Result file stem under benchmark/results.")
     a = p.parse_args()
@@ -98,7 +103,9 @@ def main() -> None:
             rows.append(f"| {name} | {dtype} | {n} x ({input_len} + {output_len}) | {mode} | {off:.1f} | {on:.1f} | {on / off:.2f}x | "
                         f"{'yes' if same else 'NO'} |")
     table = "\n".join([
-        f"# Deterministic inference: cost (greedy, all requests at once, output tokens/s, median of {a.repeats})", "", f"Machine: {report['machine']}", "",
+        f"# Deterministic inference: cost (greedy, all requests at once, output tokens/s, median of {a.repeats})", "",
+        f"Machine: {report['machine']}", "",
+        f"Command: `PYTHONPATH=python:sgl-kernel-ext/python .venv/bin/python {shlex.join(['benchmark/bench_determinism.py', *sys.argv[1:]])}`", "",
         "| model | dtype | requests x (in + out) | mode | tok/s off | tok/s on | on / off | "
         "output == deterministic full |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
