@@ -80,3 +80,31 @@ def test_a_row_with_no_visible_key_is_zero_and_bad_shapes_are_refused():
         fixed_chunk_attention(q, k[:, :, :32].contiguous(), v, index, allowed, 0.1)
     with pytest.raises(RuntimeError, match="allowed must be"):
         fixed_chunk_attention(q, k, v, index, allowed[:, :, :10], 0.1)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch.utils.cpp_extension waits forever on its lock: one older than STALE_LOCK_S is cleared."""
+    import os
+    import time
+
+    from sgl_kernel_ext import cpu_attention
+
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - cpu_attention.STALE_LOCK_S - 1
+    os.utime(stale, (old, old))
+    cpu_attention._clear_stale_lock(stale)
+    cpu_attention._clear_stale_lock(fresh)
+    cpu_attention._clear_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_built_library_loads_without_the_build_lock(tmp_path):
+    """A library already built under its name is loaded directly; a cut-short one is removed."""
+    from sgl_kernel_ext import cpu_attention
+
+    assert cpu_attention._load_built(tmp_path / "absent.so") is False
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    assert cpu_attention._load_built(broken) is False and not broken.exists()

@@ -15,12 +15,15 @@ machines of different CPUs never loads a binary built for another one.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
 CHUNK = 64
 _SOURCE = Path(__file__).parent / "csrc" / "fixed_chunk_attention.cpp"
 _lock = threading.Lock()
@@ -50,6 +53,35 @@ def build_name(source: Path = _SOURCE, prefix: str = "sgl_kernel_ext_cpu", extra
     return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
+STALE_LOCK_S = 600  # a build lock older than this was left by a build that was killed
+
+
+def _load_built(lib: Path) -> bool:
+    """Load a library already built under this build's name (the name hashes everything the binary
+    depends on), without torch.utils.cpp_extension's lock and ninja check; False if there is none or it
+    does not load (a link that was cut short: it is removed and rebuilt)."""
+    if not lib.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError as exc:
+        logger.warning("CPU kernel %s does not load (%s); rebuilding it", lib, exc)
+        lib.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch.utils.cpp_extension waits forever on a build lock; one left by a killed build is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing the build lock %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ()) -> None:
     """Build (once per source, flags and CPU) and load a C++ kernel library of this package (its ops
     register themselves); raises RuntimeError with the compiler's message if it cannot be built."""
@@ -59,9 +91,14 @@ def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ())
     with _lock:
         if key in _loaded:
             return
-        from torch.utils.cpp_extension import load as load_extension
+        from torch.utils.cpp_extension import _get_build_directory, load as load_extension
 
         name = build_name(source, prefix, extra_cflags)
+        build_dir = Path(_get_build_directory(name, False))
+        if _load_built(build_dir / f"{name}.so"):
+            _loaded.add(key)
+            return
+        _clear_stale_lock(build_dir / "lock")
         flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *extra_cflags]
         try:
             load_extension(
