@@ -296,15 +296,23 @@ def both_paths(runner, run):
         backend.fused_draft = None
 
 
-@pytest.mark.parametrize("compressor", ["streamingllm", "pyramidkv", "h2o", "int8", "kivi2", "kivi4", "fp8"])
-def test_fused_kernel_gives_the_torch_paths_draft_logits(runner, compressor):
-    """Per-layer row counts (pyramidkv), value groups narrower than a vector (group 4), previous drafts."""
+@pytest.mark.parametrize("compressor", ["streamingllm", "pyramidkv", "h2o", "int8", "kivi2", "kivi4", "fp8",
+                                        "kvquant3", "rotatekv2", "snapkv+rotatekv4"])
+def test_fused_kernel_gives_the_torch_paths_draft_logits(runner, compressor, monkeypatch):
+    """Per-layer row counts (pyramidkv), value groups narrower than a vector (group 4), previous drafts;
+    kvquant / rotatekv (pre-RoPE keys) and a composition with per-head positions. Every layer reads
+    the kernel (none falls back to the torch path)."""
+    import sgl_kernel_ext.cpu_draft_attention as cda
+
     from sglang_vericache.layers.attention.draft_kernel import fused_draft_available
 
     assert fused_draft_available(), "the fused CPU draft kernel did not build"
+    calls, kernel = [], cda.draft_decode_attention
+    monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(1) or kernel(*a))
     fb, reqs = draft_batch(runner, compressor)
     fused, torch_path = both_paths(runner, lambda: runner.forward(fb))
     release(runner, reqs)
+    assert len(calls) == runner.model_config.num_hidden_layers
     assert (fused - torch_path).abs().max().item() < EXACT_ATOL
     assert torch.equal(fused.argmax(-1), torch_path.argmax(-1))
 

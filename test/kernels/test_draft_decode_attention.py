@@ -23,11 +23,11 @@ from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
 
 T, HKV, G, D = 16, 2, 4, 64
 SCALE = D**-0.5
-# Layouts the kernel reads: token drop, int8, fp8, kivi (and drop+those). kvquant's non-uniform levels
-# with exact outliers and rotatekv's Hadamard basis are not among them: they draft on the torch path.
-TORCH_PATH_ONLY = ("kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
-NAMES = [n for n in COMPRESSOR_NAMES + ("snapkv+kivi4", "pyramidkv+int8")
-         if (n != "fp8" or fp8_supported()) and n not in TORCH_PATH_ONLY]
+# Every layout: token drop, int8, fp8, kivi, kvquant (non-uniform levels, exact outliers, pre-RoPE keys),
+# rotatekv (Hadamard basis over both KV heads, pre-RoPE keys), and drop+those (per-head positions).
+PRE_ROPE = ("kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
+NAMES = [n for n in COMPRESSOR_NAMES + ("snapkv+kivi4", "pyramidkv+int8", "snapkv+kvquant3", "pyramidkv+rotatekv4")
+         if n != "fp8" or fp8_supported()]
 # (compressed chunks, tail rows, draft rows) per request (token drop keeps 5 rows of 16 per chunk):
 # odd totals across 64-key chunk edges,
 # an empty tail, one chunk, no chunk, no drafts
@@ -42,6 +42,16 @@ def nan_pool(n: int, dtype) -> torch.Tensor:
     pool = torch.full((n, HKV, D), float("nan"), dtype=dtype)
     pool[0] = 0  # slot 0: the padding slot, finite
     return pool
+
+
+def kernel_layer(comp, pool, lid: int = 0):
+    """compressed_layer of the pool's layer, with what a pre-RoPE quantizer needs (as draft_kernel passes it)."""
+    quant = comp.stage(lid) if hasattr(comp, "stage") else comp
+    extra = ()
+    if hasattr(quant, "dequantize"):  # kvquant / rotatekv: the compressor's own RoPE table
+        rotation = (quant.key_heads, quant.block) if hasattr(quant, "key_heads") else None
+        extra = (quant.rope.table(torch.tensor([1024])), rotation)
+    return compressed_layer(pool.layouts[lid].kind, pool.buffers[lid], *extra)
 
 
 class Case:
@@ -92,7 +102,7 @@ class Case:
             return t, torch.tensor([len(x) for x in lists])
 
         chunks, tails, drafts = (table([self.reqs[i][p] for i in order]) for p in range(3))
-        layer = compressed_layer(self.pool.layouts[0].kind, self.pool.buffers[0])
+        layer = kernel_layer(self.comp, self.pool)
         return draft_decode_attention(self.q[order], layer, *chunks, (self.tail_k, self.tail_v, *tails),
                                       (self.draft_k, self.draft_v, *drafts), SCALE, round_to)
 
@@ -140,7 +150,7 @@ def test_one_request_one_chunk_and_no_tail_or_draft(name):
 
 
 @pytest.mark.parametrize("group_size", [4, 8])
-@pytest.mark.parametrize("name", ["int8", "fp8", "kivi2", "kivi4"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "kivi2", "kivi4", "kvquant3", "rotatekv2", "rotatekv4"])
 def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size):
     """Chunks of one token: each request's only key is one dequantized row, and softmax over one key
     is exactly 1, so the output is that row: the kernel dequantizes exactly as decompress()."""
@@ -161,7 +171,7 @@ def test_kivi_groups_narrower_and_wider_than_a_vector(name, group_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["pyramidkv", "kivi4", "int8"])
+@pytest.mark.parametrize("name", ["pyramidkv", "kivi4", "int8", "kvquant4", "rotatekv2", "snapkv+kvquant3"])
 def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thread(name, dtype):
     case = Case(name, dtype, seed=1)
     batch = case.run()
@@ -180,7 +190,7 @@ def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thre
 
 def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():
     assert compressed_layer("quantized", {"k": torch.zeros(1, dtype=torch.uint8), "codebook": torch.zeros(1)}) is None
-    for name in TORCH_PATH_ONLY:  # their codes are not kivi's although rotatekv's are min-max codes too
+    for name in PRE_ROPE:  # not without the compressor's RoPE table (nor read as kivi's codes)
         assert compressed_layer("quantized", Case(name, torch.float32, mix=[(1, 0, 1)]).pool.buffers[0]) is None
     assert compressed_layer("product_quantized", {"k": torch.zeros(1), "v": torch.zeros(1)}) is None
     case = Case("int8", torch.float32, mix=[(1, 2, 1)])

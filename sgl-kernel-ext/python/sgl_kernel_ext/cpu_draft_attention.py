@@ -1,8 +1,11 @@
 """Draft-decode attention on the CPU over compressed KV read in place (csrc/draft_decode_attention.cpp).
 
 One query token per request over [compressed rows | exact tail | draft rows]. Compressed rows are
-read as the pool stores them: token-dropped rows (exact dtype) or int8 / fp8 / kivi 2-4 bit codes
-dequantized row by row in float32 inside the kernel, with the compressors' own arithmetic (the rows
+read as the pool stores them: token-dropped rows (exact dtype) or int8 / fp8 / kivi 2-4 bit /
+kvquant 2-4 bit (non-uniform levels, exact outliers, pre-RoPE keys) / rotatekv 2-4 bit (Hadamard
+basis, pre-RoPE keys) codes dequantized row by row in float32 inside the kernel, with the
+compressors' own arithmetic (RoPE from the compressor's own cos / sin table, the Walsh-Hadamard
+butterflies in rotatekv.fwht's order: the rows
 equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory. The
 reduction is batch invariant: each (request, KV head) goes over its keys in order, 64 at a time,
 float32 online softmax; a row's output does not depend on the batch, other rows, padding or the
@@ -27,7 +30,10 @@ _SOURCE = Path(__file__).parent / "csrc" / "draft_decode_attention.cpp"
 # The dequantization rounds each step as torch does (no fused multiply-add contraction); the
 # kernel's dot products use explicit FMA instructions.
 _CFLAGS = ("-ffp-contract=off",)
-KINDS = {"token_drop": 0, "int8": 1, "fp8": 2, "kivi": 3}
+KINDS = {"token_drop": 0, "int8": 1, "fp8": 2, "kivi": 3, "kvquant": 4, "rotatekv": 5}
+KVQUANT_NAMES = ("k_codes", "k_scale", "k_zero", "k_levels", "k_out_val", "k_out_idx",
+                 "v_codes", "v_scale", "v_zero", "v_levels", "v_out_val", "v_out_idx", "pos")
+ROTATEKV_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "pos")
 ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -41,14 +47,34 @@ class CompressedLayer:
     """One layer of a compressed pool as the kernel reads it."""
 
     kind: str  # a key of KINDS
-    bits: int  # kivi code width (0 otherwise)
+    bits: int  # kivi / kvquant / rotatekv code width (0 otherwise)
     tensors: tuple[torch.Tensor, ...]  # in the kernel's order (see the .cpp header)
+    params: tuple[int, ...] = ()  # rotatekv: (key_heads, block)
 
 
-def compressed_layer(layout_kind: str, buffers: dict[str, torch.Tensor]) -> CompressedLayer | None:
+def compressed_layer(
+    layout_kind: str,
+    buffers: dict[str, torch.Tensor],
+    rope_table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotation: tuple[int, int] | None = None,
+) -> CompressedLayer | None:
     """A compressed layer's pool buffers ({name: [num_chunks + 1, ...]}) -> what the kernel reads,
-    or None for a layout it does not know."""
+    or None for a layout it does not know. kvquant and rotatekv (pre-RoPE keys) also need
+    rope_table: the compressor's float32 cos, sin [P, D] covering every stored position
+    (ChunkRope.table); rotatekv also rotation = (key_heads, block): its Hadamard grouping."""
     names = set(buffers)
+    if layout_kind == "quantized" and names in (set(KVQUANT_NAMES), set(ROTATEKV_NAMES)):
+        if rope_table is None or buffers["k_codes"].dtype != torch.uint8:
+            return None
+        cos, sin = (t.float().contiguous() for t in rope_table)
+        d = cos.shape[-1]
+        bits = 8 * buffers["k_codes"].shape[-1] // d
+        if names == set(KVQUANT_NAMES):
+            return CompressedLayer("kvquant", bits, (*(buffers[n] for n in KVQUANT_NAMES), cos, sin))
+        if rotation is None:
+            return None
+        return CompressedLayer("rotatekv", bits, (*(buffers[n] for n in ROTATEKV_NAMES), cos, sin),
+                               tuple(int(x) for x in rotation))
     if layout_kind == "token_drop" and {"k", "v"} <= names:
         return CompressedLayer("token_drop", 0, (buffers["k"], buffers["v"]))
     if layout_kind != "quantized":
@@ -96,7 +122,7 @@ def draft_decode_attention(
     return torch.ops.sgl_kernel_ext_draft_cpu.draft_decode_attention(
         q.float().contiguous(), KINDS[compressed.kind], compressed.bits, ROUND_TO[round_to], list(compressed.tensors),
         i64(chunk_ids), i64(chunk_lens), tail_k, tail_v, i64(tail_index), i64(tail_lens),
-        draft_k, draft_v, i64(draft_index), i64(draft_lens), float(scale),
+        draft_k, draft_v, i64(draft_index), i64(draft_lens), float(scale), list(compressed.params),
     )
 
 

@@ -1,8 +1,10 @@
 """The fused CPU path of DRAFT_DECODE attention (sgl_kernel_ext.cpu_draft_attention).
 
 One C++ call per layer reads a request's [compressed rows | exact tail | draft rows] where they are
-stored: token-dropped rows as kept, quantized codes (int8, fp8, kivi 2/4) dequantized inside the
-kernel, with no gathered or dequantized copy of the context. Its reduction is batch invariant
+stored: token-dropped rows as kept, quantized codes (int8, fp8, kivi 2/4, kvquant 3/4, rotatekv 2/4,
+and a dropper followed by any of them) dequantized inside the kernel, with no gathered or
+dequantized copy of the context (kvquant / rotatekv: RoPE is put back on the pre-RoPE keys with
+the compressor's own cos / sin table, rotatekv's Hadamard transform undone row by row). Its reduction is batch invariant
 (fixed 64-key chunks in key order, float32 online softmax) and its dequantized rows equal the
 compressors' decompress() rounded to q's dtype (what the torch path's context holds), so it agrees
 with the torch path (torch_backend._forward_draft:
@@ -57,6 +59,22 @@ def _fits(q: torch.Tensor, layer: RadixAttention) -> str | None:
     return None
 
 
+def _rope_and_rotation(pool, lid: int, md: DraftMetadata) -> tuple:
+    """kvquant / rotatekv (alone or after a dropper): the quantizer's own RoPE table, grown to cover
+    every position the batch's chunks hold (chunk i of a request holds positions below (i + 1) * T),
+    and rotatekv's Hadamard grouping; () for other compressors."""
+    quant = pool.compressor
+    if hasattr(quant, "stage"):  # a composition: the quantizer of this layer's kept-row count
+        quant = quant.stage(lid)
+    rope = getattr(quant, "rope", None)
+    if rope is None or not hasattr(quant, "dequantize"):
+        return ()
+    bound = int(md.chunk_lens.max()) * pool.compressor.config.chunk_size if md.chunk_lens.numel() else 1
+    table = rope.table(torch.tensor([max(bound, 1)]))
+    rotation = (quant.key_heads, quant.block) if hasattr(quant, "key_heads") else None
+    return table, rotation
+
+
 def fused_draft_attention(
     q: torch.Tensor,  # [B, H, D]
     layer: RadixAttention,
@@ -69,7 +87,7 @@ def fused_draft_attention(
 
     lid = layer.layer_id
     pool = ctx.compressed_pool
-    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid])
+    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid], *_rope_and_rotation(pool, lid, md))
     why = _fits(q, layer) or (None if comp is not None else f"{pool.compressor.name}'s layout")
     if why is not None:
         if why not in _warned:

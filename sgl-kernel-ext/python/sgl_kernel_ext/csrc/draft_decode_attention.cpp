@@ -19,6 +19,18 @@
 //                 (fp8 bytes), scales [NC, T, Hkv] float16
 //               kind 3 kivi: [k, k_scale, k_zero, v, v_scale, v_zero] codes [NC, T, Hkv, D*bits/8]
 //                 uint8, key scale/zero [NC, T/Gk, Hkv, D], value scale/zero [NC, T, Hkv, D/Gv] f16
+//               kind 4 kvquant: [k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, v_codes, v_scale,
+//                 v_zero, v_levels, v_out_val, v_out_idx, pos, cos, sin]: codes [NC, T, Hkv, D*bits/8] uint8
+//                 (bits 2-4, 8 codes per `bits` bytes), key scale/zero [NC, Hkv, D], value scale/zero
+//                 [NC, T, Hkv] f16, levels [NC, L] f16, outliers [NC, N_o] (exact dtype; int16 / int32
+//                 ascending flat indices into [T, Hkv, D]), pos [NC, T] or [NC, T, Hkv] int32, cos/sin
+//                 [P, D] float32 (the compressor's RoPE table): k = RoPE(level * scale + zero, outliers)
+//               kind 5 rotatekv: [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pos, cos, sin]: codes
+//                 [NC, T, Hkv, D*bits/8] (bits 2/4), scale/zero [NC, T, Hkv, D/Gr] f16 per group of Gr
+//                 rotated channels; params = [key_heads, block]: keys are Hadamard-transformed over the
+//                 D channels of key_heads consecutive heads (block == D) or per head in blocks of
+//                 `block` channels, values per head in blocks of `block`; RoPE then on the keys
+//   params      kind 5: [key_heads, block]; otherwise empty
 //   chunk_ids   [B, C] int64, chunk_lens [B]: request b reads chunks chunk_ids[b, :chunk_lens[b]]
 //   tail_k/v    [N, Hkv, D|Dv] exact pool; tail_index [B, St] slots, tail_lens [B]
 //   draft_k/v   [N', Hkv, D|Dv] draft pool (any float dtype); draft_index [B, Sd], draft_lens [B]
@@ -35,7 +47,7 @@ namespace {
 
 using namespace attn;
 
-enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3 };
+enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3, KVQUANT = 4, ROTATEKV = 5 };
 
 typedef uint8_t vbyte __attribute__((vector_size(VW)));
 
@@ -138,6 +150,22 @@ struct Part {  // exact rows (tail or drafts): slot index[b, i], i < lens[b]
   const int64_t* lens = nullptr;
 };
 
+// kvquant / rotatekv: what the min-max kinds do not have.
+struct Rotated {
+  const uint16_t *k_levels = nullptr, *v_levels = nullptr;  // [NC, L] float16 bits
+  int64_t num_levels = 0;
+  const void *k_out_val = nullptr, *v_out_val = nullptr;  // [NC, N_o] exact dtype
+  Elem out_elem = F32;
+  const void *k_out_idx = nullptr, *v_out_idx = nullptr;  // [NC, N_o] int16 / int32, ascending
+  bool idx32 = false;
+  int64_t n_out = 0;
+  const int32_t* pos = nullptr;  // [NC, R] or [NC, R, Hkv]
+  bool pos_per_head = false;
+  const float *cos = nullptr, *sin = nullptr;  // [P, D]
+  int64_t P = 0;
+  int64_t group = 0, key_heads = 1, block = 0;  // rotatekv
+};
+
 struct Compressed {
   int64_t kind, rows, bits, key_group, value_group;  // rows = R (token drop) or T (quantizers)
   const void* k;
@@ -148,20 +176,214 @@ struct Compressed {
   const int64_t* ids;
   int64_t width;
   const int64_t* lens;
+  Rotated rt;
 };
 
 struct Shape {
   int64_t B, H, Hkv, D, Dv, G;
 };
 
+
 // Per-thread state of one work item: buffers, and the kivi key group last converted.
 struct Scratch {
-  std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l, ks, kz, vs, vz;
+  std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l, ks, kz, vs, vz, pre, klv, vlv;
+  std::vector<const float*> kp, vp;  // [nh][CHUNK] rows of the chunk being scored
   int64_t group_chunk = -1, group = -1;
+  int64_t k_cursor = 0, v_cursor = 0;  // kvquant: next outlier of the chunk being read
   Scratch(const Shape& sh)
-      : qf(sh.G * sh.D), kbuf(CHUNK * sh.D), vbuf(CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK), acc(sh.G * sh.Dv),
-        m(sh.G), l(sh.G), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv) {}
+      : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK),
+        acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
+        klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK) {}
 };
+
+// ---- kvquant / rotatekv rows, each step rounded as the compressor's torch code rounds it
+
+// Codes i..i+7 of a row packed as pack_bits does (8 codes per BITS bytes, code k at bit BITS*k).
+template <int BITS>
+inline vint code_ints(const uint8_t* packed, int64_t i) {
+  uint32_t word = 0;
+  std::memcpy(&word, packed + i * BITS / 8, BITS);
+  const vuint shifts = {0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
+  return (vint)(((vuint{} + word) >> shifts) & ((1u << BITS) - 1));
+}
+
+// lv[c] for 8 codes c < 16, lv's 16 floats given as lo = lv[0:8], hi = lv[8:16] (entries past the
+// level count are never picked).
+inline vfloat lookup(vfloat lo, vfloat hi, vint c) {
+#ifdef DRAFT_AVX2
+  const __m256i ci = (__m256i)c;
+  const __m256 a = _mm256_permutevar8x32_ps((__m256)lo, ci), b = _mm256_permutevar8x32_ps((__m256)hi, ci);
+  return (vfloat)_mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(ci, _mm256_set1_epi32(7))));
+#else
+  vfloat r;
+  for (int k = 0; k < VW; ++k) r[k] = c[k] < 8 ? lo[c[k]] : hi[c[k] - 8];
+  return r;
+#endif
+}
+
+inline float exact_value(const void* base, Elem e, int64_t i) {
+  if (e == F32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  if (e == F16) return half_to_float(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Writes the chunk's outliers that fall in flat [base, base + n) over x; *cursor walks the ascending
+// list (rows of one head are read in order, so it only moves forward).
+template <typename I>
+inline void put_outliers(const I* idx, const void* val, Elem e, int64_t n_out, int64_t* cursor, int64_t base,
+                         int64_t n, float* x) {
+  int64_t c = *cursor;
+  while (c < n_out && idx[c] < base) ++c;
+  for (; c < n_out && idx[c] < base + n; ++c) x[idx[c] - base] = exact_value(val, e, c);
+  *cursor = c;
+}
+
+inline void outliers(const Rotated& rt, bool key, int64_t id, int64_t base, int64_t n, float* x, Scratch& st) {
+  const void* idx = key ? rt.k_out_idx : rt.v_out_idx;
+  const void* val = static_cast<const char*>(key ? rt.k_out_val : rt.v_out_val) +
+                    id * rt.n_out * (rt.out_elem == F32 ? 4 : 2);
+  int64_t* cur = key ? &st.k_cursor : &st.v_cursor;
+  if (rt.idx32)
+    put_outliers(static_cast<const int32_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+  else
+    put_outliers(static_cast<const int16_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+}
+
+// out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate); rotate_half(x) = [-x2, x1].
+inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
+  const int64_t h = D / 2;
+  if (h % VW == 0) {
+    for (int64_t d = 0; d < h; d += VW) {
+      const vfloat a = vload(x + d), b = vload(x + d + h);
+      vstore(out + d, a * vload(c + d) + (-b) * vload(s + d));
+      vstore(out + d + h, b * vload(c + d + h) + a * vload(s + d + h));
+    }
+    return;
+  }
+  for (int64_t d = 0; d < h; ++d) out[d] = x[d] * c[d] + (-x[d + h]) * s[d];
+  for (int64_t d = h; d < D; ++d) out[d] = x[d] * c[d] + x[d - h] * s[d];
+}
+
+// rotatekv.fwht: orthonormal Walsh-Hadamard over n (a power of two) values, butterflies
+// (a, b) -> (a + b, a - b) at strides h = 1, 2, 4, ..., then one scaling by float(1 / sqrt(n)). Strides
+// below 8 mix lanes of one 8-aligned vector only, so each vector goes through them on its own; the
+// additions are the same, so the result is bitwise fwht's.
+inline void fwht(float* x, int64_t n) {
+  const float f = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  if (n < VW) {
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t s = 0; s < n; s += 2 * h)
+        for (int64_t i = s; i < s + h; ++i) {
+          const float a = x[i], b = x[i + h];
+          x[i] = a + b;
+          x[i + h] = a - b;
+        }
+    for (int64_t i = 0; i < n; ++i) x[i] *= f;
+    return;
+  }
+  typedef int32_t vidx __attribute__((vector_size(VW * sizeof(int32_t))));
+  for (int64_t i = 0; i < n; i += VW) {
+    vfloat v = vload(x + i);
+    vfloat a = __builtin_shuffle(v, vidx{0, 0, 2, 2, 4, 4, 6, 6}), b = __builtin_shuffle(v, vidx{1, 1, 3, 3, 5, 5, 7, 7});
+    v = __builtin_shuffle(a + b, a - b, vidx{0, 9, 2, 11, 4, 13, 6, 15});
+    a = __builtin_shuffle(v, vidx{0, 1, 0, 1, 4, 5, 4, 5}), b = __builtin_shuffle(v, vidx{2, 3, 2, 3, 6, 7, 6, 7});
+    v = __builtin_shuffle(a + b, a - b, vidx{0, 1, 10, 11, 4, 5, 14, 15});
+    a = __builtin_shuffle(v, vidx{0, 1, 2, 3, 0, 1, 2, 3}), b = __builtin_shuffle(v, vidx{4, 5, 6, 7, 4, 5, 6, 7});
+    vstore(x + i, __builtin_shuffle(a + b, a - b, vidx{0, 1, 2, 3, 12, 13, 14, 15}));
+  }
+  for (int64_t h = VW; h < n; h *= 2)
+    for (int64_t s = 0; s < n; s += 2 * h)
+      for (int64_t i = s; i < s + h; i += VW) {
+        const vfloat a = vload(x + i), b = vload(x + i + h);
+        vstore(x + i, a + b);
+        vstore(x + i + h, a - b);
+      }
+  for (int64_t i = 0; i < n; i += VW) vstore(x + i, vload(x + i) * f);
+}
+
+// code * scale + zero with one float16 scale / zero per `group` channels (two roundings).
+template <int BITS>
+inline void minmax_row(const uint8_t* packed, const uint16_t* sc16, const uint16_t* z16, int64_t group, float* dst,
+                       int64_t n) {
+  if (group % VW == 0) return kivi_row_grouped<BITS>(packed, sc16, z16, group, dst, n);
+  for (int64_t i = 0; i < n; i += VW) vstore(dst + i, kivi_codes<BITS>(packed, i));
+  for (int64_t d = 0, gi = 0; d < n; ++gi) {
+    const float sc = half_to_float(sc16[gi]), z = half_to_float(z16[gi]);
+    for (int64_t e = 0; e < group; ++e, ++d) dst[d] = dst[d] * sc + z;
+  }
+}
+
+inline void minmax_row(const uint8_t* packed, int64_t bits, const uint16_t* sc16, const uint16_t* z16, int64_t group,
+                       float* dst, int64_t n) {
+  if (bits == 2) minmax_row<2>(packed, sc16, z16, group, dst, n);
+  else minmax_row<4>(packed, sc16, z16, group, dst, n);
+}
+
+inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, int64_t R, int64_t j, int64_t hk,
+                            int64_t Hkv, int64_t D) {
+  const int64_t p = rt.pos_per_head ? rt.pos[(id * R + j) * Hkv + hk] : rt.pos[id * R + j];
+  return table + p * D;
+}
+
+// kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers written back, RoPE on the key.
+template <int BITS>
+void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk, float* kd, float* vd,
+                 Scratch& st) {
+  const Rotated& rt = cp.rt;
+  const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv, L = rt.num_levels;
+  if (j == 0) {  // a new chunk: its levels and per-channel key ranges, outlier lists from the start
+    halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
+    halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
+    halves_to_float(cp.k_scale + (id * Hkv + hk) * D, st.ks.data(), D);
+    halves_to_float(cp.k_zero + (id * Hkv + hk) * D, st.kz.data(), D);
+    st.k_cursor = st.v_cursor = 0;
+  }
+  const int64_t row = (id * R + j) * Hkv + hk, nb = D * BITS / 8;
+  const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + row * nb;
+  const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + row * nb;
+  float* x = st.pre.data();
+  const vfloat klo = vload(st.klv.data()), khi = vload(st.klv.data() + VW);
+  const vfloat vlo = vload(st.vlv.data()), vhi = vload(st.vlv.data() + VW);
+  const float* ks = st.ks.data();
+  const float* kz = st.kz.data();
+  for (int64_t d = 0; d < D; d += VW)
+    vstore(x + d, lookup(klo, khi, code_ints<BITS>(kc, d)) * vload(ks + d) + vload(kz + d));
+  outliers(rt, true, id, (j * Hkv + hk) * D, D, x, st);
+  rope_row(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
+  const vfloat vsc = vfloat{} + half_to_float(cp.v_scale[row]), vz = vfloat{} + half_to_float(cp.v_zero[row]);
+  for (int64_t d = 0; d < D; d += VW) vstore(vd + d, lookup(vlo, vhi, code_ints<BITS>(vc, d)) * vsc + vz);
+  outliers(rt, false, id, (j * Hkv + hk) * D, D, vd, st);
+}
+
+// rotatekv row j of chunk id for the heads hk0.. of one Hadamard group (key_heads of them when block == D,
+// else one): min-max codes in the rotated basis, the transform back, RoPE on the keys. Head hh's key row
+// goes to kd + hh * stride, its value row to vd + hh * stride_v.
+void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, int64_t nh, float* kd,
+                   float* vd, int64_t stride, int64_t stride_v, Scratch& st) {
+  const Rotated& rt = cp.rt;
+  const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv, nb = D * cp.bits / 8, ng = D / rt.group;
+  const uint8_t* kc = static_cast<const uint8_t*>(cp.k);
+  float* x = st.pre.data();
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t r2 = (id * R + j) * Hkv + hk0 + hh;
+    minmax_row(kc + r2 * nb, cp.bits, cp.k_scale + r2 * ng, cp.k_zero + r2 * ng, rt.group, x + hh * D, D);
+  }
+  if (rt.block == D) fwht(x, nh * D);
+  else for (int64_t b = 0; b < D; b += rt.block) fwht(x + b, rt.block);  // nh == 1
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t hk = hk0 + hh, row = (id * R + j) * Hkv + hk;
+    rope_row(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
+             kd + hh * stride, D);
+    float* v = vd + hh * stride_v;
+    minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
+               rt.group, v, D);
+    for (int64_t b = 0; b < D; b += rt.block) fwht(v + b, rt.block);
+  }
+}
 
 // Row j (key group `group` for kivi) of chunk id, KV head hk, as float32 K and V rows: *kp / *vp
 // point into the pool (float32 token-drop rows) or at kd / vd, where the row is dequantized.
@@ -176,6 +398,11 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
   }
   *kp = kd;
   *vp = vd;
+  if (cp.kind == KVQUANT) {
+    if (cp.bits == 2) return kvquant_row<2>(cp, sh, id, j, hk, kd, vd, st);
+    if (cp.bits == 3) return kvquant_row<3>(cp, sh, id, j, hk, kd, vd, st);
+    return kvquant_row<4>(cp, sh, id, j, hk, kd, vd, st);
+  }
   if (cp.kind == INT8 || cp.kind == FP8) {
     const float ksc = half_to_float(cp.k_scale[row]), vsc = half_to_float(cp.v_scale[row]);
     if (cp.kind == INT8) {
@@ -221,53 +448,69 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
   }
 }
 
-// The G query heads of KV head hk of request b over its keys, CHUNK at a time.
+// The G query heads of each of the KV heads hk0 .. hk0 + nh - 1 of request b over its keys, CHUNK at a time
+// (nh > 1: one rotatekv Hadamard group, whose key rows are transformed together). Query head
+// qi = hh * G + g of the item reads KV head hk0 + hh; its arithmetic does not depend on nh.
 void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
-                 float scale, int64_t b, int64_t hk, float* out, Scratch& st) {
-  const int64_t D = sh.D, Dv = sh.Dv, G = sh.G;
+                 float scale, int64_t b, int64_t hk0, int64_t nh, float* out, Scratch& st) {
+  const int64_t D = sh.D, Dv = sh.Dv, G = sh.G, QH = nh * G;
   const int64_t n_comp = cp.lens[b] * cp.rows, n_tail = tail.lens[b];
   const int64_t n = n_comp + n_tail + (draft.lens ? draft.lens[b] : 0);
   const int64_t* ids = cp.ids + b * cp.width;
   const int64_t* tail_slots = tail.index + b * tail.width;
   const int64_t* draft_slots = draft.lens ? draft.index + b * draft.width : nullptr;
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qr = q + (b * sh.H + hk * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) st.qf[g * D + d] = qr[d] * scale;
+  for (int64_t qi = 0; qi < QH; ++qi) {
+    const float* qr = q + (b * sh.H + hk0 * G + qi) * D;
+    for (int64_t d = 0; d < D; ++d) st.qf[qi * D + d] = qr[d] * scale;
   }
-  std::fill(st.acc.begin(), st.acc.end(), 0.f);
-  std::fill(st.m.begin(), st.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(st.l.begin(), st.l.end(), 0.f);
+  std::fill(st.acc.begin(), st.acc.begin() + QH * Dv, 0.f);
+  std::fill(st.m.begin(), st.m.begin() + QH, -std::numeric_limits<float>::infinity());
+  std::fill(st.l.begin(), st.l.begin() + QH, 0.f);
   st.group_chunk = st.group = -1;
   int64_t chunk = 0, j = 0, group = 0, in_group = 0;  // cursor over the compressed rows
-  const float* kp[CHUNK];
-  const float* vp[CHUNK];
+  const float** kp = st.kp.data();  // [nh][CHUNK]
+  const float** vp = st.vp.data();
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
     const int64_t cn = std::min(CHUNK, n - c0), cn8 = (cn + VW - 1) / VW * VW;
     for (int64_t c = 0; c < cn; ++c) {
       const int64_t i = c0 + c;
-      float* kd = st.kbuf.data() + c * D;
+      float* kd = st.kbuf.data() + c * D;  // head hh's rows at + hh * CHUNK * D
       float* vd = st.vbuf.data() + c * Dv;
       if (i < n_comp) {
-        compressed_row(cp, sh, ids[chunk], j, group, hk, kd, vd, &kp[c], &vp[c], st);
-        if (cp.kind != TOKEN_DROP && cp.round_to != F32) round_row(kd, D, cp.round_to), round_row(vd, Dv, cp.round_to);
+        if (cp.kind == ROTATEKV) {
+          rotatekv_rows(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
+          for (int64_t hh = 0; hh < nh; ++hh) kp[hh * CHUNK + c] = kd + hh * CHUNK * D, vp[hh * CHUNK + c] = vd + hh * CHUNK * Dv;
+        } else {  // nh == 1
+          compressed_row(cp, sh, ids[chunk], j, group, hk0, kd, vd, &kp[c], &vp[c], st);
+        }
+        if (cp.kind != TOKEN_DROP && cp.round_to != F32)
+          for (int64_t hh = 0; hh < nh; ++hh)
+            round_row(kd + hh * CHUNK * D, D, cp.round_to), round_row(vd + hh * CHUNK * Dv, Dv, cp.round_to);
         if (++in_group == cp.key_group) in_group = 0, ++group;
         if (++j == cp.rows) j = 0, group = 0, in_group = 0, ++chunk;
       } else {
         const bool in_tail = i < n_comp + n_tail;
         const int64_t slot = in_tail ? tail_slots[i - n_comp] : draft_slots[i - n_comp - n_tail];
         const Part& part = in_tail ? tail : draft;
-        kp[c] = exact_row(part.k, part.elem, (slot * sh.Hkv + hk) * D, D, kd);
-        vp[c] = exact_row(part.v, part.elem, (slot * sh.Hkv + hk) * Dv, Dv, vd);
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const int64_t at = slot * sh.Hkv + hk0 + hh;
+          kp[hh * CHUNK + c] = exact_row(part.k, part.elem, at * D, D, kd + hh * CHUNK * D);
+          vp[hh * CHUNK + c] = exact_row(part.v, part.elem, at * Dv, Dv, vd + hh * CHUNK * Dv);
+        }
       }
     }
-    for (int64_t c = cn; c < cn8; ++c) kp[c] = st.zero.data();  // padding lanes: score set to -inf below
-    for (int64_t g = 0; g < G; ++g)
-      attend_chunk(st.qf.data() + g * D, kp, vp, cn, D, Dv, st.s.data(), st.m[g], st.l[g], st.acc.data() + g * Dv);
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t c = cn; c < cn8; ++c) kp[hh * CHUNK + c] = st.zero.data();  // padding lanes: -inf below
+    for (int64_t qi = 0; qi < QH; ++qi) {
+      const int64_t hh = qi / G;
+      attend_chunk(st.qf.data() + qi * D, kp + hh * CHUNK, vp + hh * CHUNK, cn, D, Dv, st.s.data(), st.m[qi], st.l[qi],
+                   st.acc.data() + qi * Dv);
+    }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* o = out + (b * sh.H + hk * G + g) * Dv;
-    const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
-    for (int64_t d = 0; d < Dv; ++d) o[d] = st.acc[g * Dv + d] * inv;
+  for (int64_t qi = 0; qi < QH; ++qi) {
+    float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
+    const float inv = st.l[qi] > 0.f ? 1.f / st.l[qi] : 0.f;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = st.acc[qi * Dv + d] * inv;
   }
 }
 
@@ -313,12 +556,90 @@ Part exact_part(const at::Tensor& k, const at::Tensor& v, const at::Tensor& inde
   return p;
 }
 
+// kvquant / rotatekv tensors (comp in the order of the header) into cp.rt, checked.
+template <typename F16>
+void set_rotated(Compressed& cp, at::TensorList comp, at::IntArrayRef params, const Shape& sh, int64_t nc, F16 f16) {
+  const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv, bits = cp.bits;
+  const bool kvq = cp.kind == KVQUANT;
+  const char* name = kvq ? "kvquant" : "rotatekv";
+  TORCH_CHECK(sh.Dv == D && D % 2 == 0, "draft_decode_attention: ", name, " needs equal, even K / V head dims");
+  TORCH_CHECK(kvq ? (bits >= 2 && bits <= 4) : (bits == 2 || bits == 4), "draft_decode_attention: ", name,
+              " bits must be ", kvq ? "2, 3 or 4" : "2 or 4");
+  const at::Tensor& ck = comp[0];
+  const at::Tensor& cv = comp[kvq ? 6 : 3];
+  TORCH_CHECK(ck.scalar_type() == at::kByte && cv.scalar_type() == at::kByte && ck.size(3) == D * bits / 8 &&
+                  cv.size(3) == D * bits / 8,
+              "draft_decode_attention: ", name, " codes must be uint8 [NC, T, Hkv, D*bits/8]");
+  Rotated& rt = cp.rt;
+  const at::Tensor &pos = comp[kvq ? 12 : 6], &cos = comp[kvq ? 13 : 7], &sin = comp[kvq ? 14 : 8];
+  TORCH_CHECK(pos.scalar_type() == at::kInt && pos.size(0) == nc && pos.size(1) == R &&
+                  (pos.dim() == 2 || (pos.dim() == 3 && pos.size(2) == Hkv)),
+              "draft_decode_attention: pos must be int32 [NC, T] or [NC, T, Hkv]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  sin.scalar_type() == at::kFloat,
+              "draft_decode_attention: cos / sin must be float32 [P, D]");
+  rt.pos = pos.data_ptr<int32_t>();
+  rt.pos_per_head = pos.dim() == 3;
+  rt.cos = cos.data_ptr<float>();
+  rt.sin = sin.data_ptr<float>();
+  rt.P = cos.size(0);
+  if (kvq) {
+    rt.num_levels = int64_t{1} << bits;
+    cp.k_scale = f16(comp[1], {nc, Hkv, D}, "k_scale");
+    cp.k_zero = f16(comp[2], {nc, Hkv, D}, "k_zero");
+    rt.k_levels = f16(comp[3], {nc, rt.num_levels}, "k_levels");
+    cp.v_scale = f16(comp[7], {nc, R, Hkv}, "v_scale");
+    cp.v_zero = f16(comp[8], {nc, R, Hkv}, "v_zero");
+    rt.v_levels = f16(comp[9], {nc, rt.num_levels}, "v_levels");
+    const at::Tensor &kov = comp[4], &koi = comp[5], &vov = comp[10], &voi = comp[11];
+    rt.n_out = kov.dim() == 2 ? kov.size(1) : -1;
+    TORCH_CHECK(rt.n_out >= 0 && kov.size(0) == nc && kov.sizes() == koi.sizes() && vov.sizes() == kov.sizes() &&
+                    voi.sizes() == kov.sizes() && kov.scalar_type() == vov.scalar_type() &&
+                    koi.scalar_type() == voi.scalar_type() &&
+                    (koi.scalar_type() == at::kShort || koi.scalar_type() == at::kInt),
+                "draft_decode_attention: kvquant outliers must be [NC, N_o] values and int16 / int32 indices");
+    rt.out_elem = elem_of(kov, "kvquant outlier values");
+    rt.idx32 = koi.scalar_type() == at::kInt;
+    rt.k_out_val = kov.data_ptr();
+    rt.v_out_val = vov.data_ptr();
+    rt.k_out_idx = koi.data_ptr();
+    rt.v_out_idx = voi.data_ptr();
+  } else {
+    const int64_t ng = comp[1].dim() == 4 ? comp[1].size(3) : 0;
+    TORCH_CHECK(ng > 0 && D % ng == 0, "draft_decode_attention: rotatekv scales must be [NC, T, Hkv, D/G]");
+    rt.group = D / ng;
+    cp.k_scale = f16(comp[1], {nc, R, Hkv, ng}, "k_scale");
+    cp.k_zero = f16(comp[2], {nc, R, Hkv, ng}, "k_zero");
+    cp.v_scale = f16(comp[4], {nc, R, Hkv, ng}, "v_scale");
+    cp.v_zero = f16(comp[5], {nc, R, Hkv, ng}, "v_zero");
+    rt.key_heads = params[0];
+    rt.block = params[1];
+    auto pow2 = [](int64_t n) { return n > 0 && (n & (n - 1)) == 0; };
+    TORCH_CHECK(pow2(rt.block) && D % rt.block == 0 && pow2(rt.key_heads) && Hkv % rt.key_heads == 0 &&
+                    (rt.key_heads == 1 || rt.block == D),
+                "draft_decode_attention: rotatekv params [key_heads, block] must be powers of two dividing Hkv "
+                "and D (key_heads 1 unless block == D)");
+  }
+}
+
+// Every position the requests read lies in the RoPE table.
+void check_positions(const Compressed& cp, const Shape& sh) {
+  const int64_t per = cp.rows * (cp.rt.pos_per_head ? sh.Hkv : 1);
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t c = 0; c < cp.lens[b]; ++c) {
+      const int32_t* p = cp.rt.pos + cp.ids[b * cp.width + c] * per;
+      for (int64_t i = 0; i < per; ++i)
+        TORCH_CHECK(p[i] >= 0 && p[i] < cp.rt.P, "draft_decode_attention: position ", p[i],
+                    " is outside the RoPE table [0, ", cp.rt.P, ")");
+    }
+}
+
 at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bits, int64_t round_to,
                                   at::TensorList comp,
                                   const at::Tensor& chunk_ids, const at::Tensor& chunk_lens, const at::Tensor& tail_k,
                                   const at::Tensor& tail_v, const at::Tensor& tail_index, const at::Tensor& tail_lens,
                                   const at::Tensor& draft_k, const at::Tensor& draft_v, const at::Tensor& draft_index,
-                                  const at::Tensor& draft_lens, double scale) {
+                                  const at::Tensor& draft_lens, double scale, at::IntArrayRef params) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "draft_decode_attention: q must be a contiguous float32 [B, H, D]");
   Shape sh{q.size(0), q.size(1), tail_k.dim() == 3 ? tail_k.size(1) : 0, q.size(2),
@@ -332,12 +653,15 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const Part draft = exact_part(draft_k, draft_v, draft_index, draft_lens, sh, "draft");
 
   check_index(chunk_ids, chunk_lens, sh.B, "chunk");
-  const size_t want = kind == TOKEN_DROP ? 2 : (kind == KIVI ? 6 : 4);
-  TORCH_CHECK(kind >= TOKEN_DROP && kind <= KIVI && comp.size() == want,
-              "draft_decode_attention: kind 0-3 with 2, 4, 4 or 6 compressed tensors");
+  static const size_t want_of[] = {2, 4, 4, 6, 15, 9};
+  TORCH_CHECK(kind >= TOKEN_DROP && kind <= ROTATEKV && comp.size() == want_of[kind],
+              "draft_decode_attention: kind 0-5 with 2, 4, 4, 6, 15 or 9 compressed tensors");
+  TORCH_CHECK(params.size() == (kind == ROTATEKV ? 2u : 0u), "draft_decode_attention: params must be "
+              "[key_heads, block] for rotatekv, empty otherwise");
   for (const auto& t : comp) TORCH_CHECK(t.is_contiguous(), "draft_decode_attention: compressed tensors must be contiguous");
+  static const int v_at[] = {1, 2, 2, 3, 6, 3};
   const at::Tensor& ck = comp[0];
-  const at::Tensor& cv = kind == TOKEN_DROP ? comp[1] : (kind == KIVI ? comp[3] : comp[2]);
+  const at::Tensor& cv = comp[v_at[kind]];
   TORCH_CHECK(ck.dim() == 4 && cv.dim() == 4 && ck.size(2) == sh.Hkv && ck.size(1) == cv.size(1) &&
                   ck.size(0) == cv.size(0),
               "draft_decode_attention: compressed k/v must be [NC, rows, Hkv, *]");
@@ -359,6 +683,8 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
                 "draft_decode_attention: int8 codes must be int8, fp8 codes uint8 bytes, [NC, T, Hkv, D]");
     cp.k_scale = f16(comp[1], {nc, R, sh.Hkv}, "k_scale");
     cp.v_scale = f16(comp[3], {nc, R, sh.Hkv}, "v_scale");
+  } else if (kind == KVQUANT || kind == ROTATEKV) {
+    set_rotated(cp, comp, params, sh, nc, f16);
   } else {
     TORCH_CHECK(bits == 2 || bits == 4, "draft_decode_attention: kivi bits must be 2 or 4");
     TORCH_CHECK(ck.scalar_type() == at::kByte && cv.scalar_type() == at::kByte && ck.size(3) == sh.D * bits / 8 &&
@@ -378,14 +704,17 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const int64_t* ids = cp.ids;
   for (int64_t i = 0; i < chunk_ids.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < nc, "draft_decode_attention: chunk id out of range");
+  if (cp.rt.pos != nullptr) check_positions(cp, sh);
 
   auto out = at::empty({sh.B, sh.H, sh.Dv}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, sh.B * sh.Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Work items: (request, KV head), or (request, Hadamard group of KV heads) for rotatekv
+  const int64_t nh = kind == ROTATEKV && cp.rt.block == sh.D ? cp.rt.key_heads : 1, per = sh.Hkv / nh;
+  at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
     Scratch st(sh);
-    for (int64_t w = begin; w < end; ++w) attend_item(qp, cp, tail, draft, sh, fscale, w / sh.Hkv, w % sh.Hkv, op, st);
+    for (int64_t w = begin; w < end; ++w) attend_item(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
   });
   return out;
 }
@@ -396,6 +725,6 @@ TORCH_LIBRARY(sgl_kernel_ext_draft_cpu, m) {
   m.def(
       "draft_decode_attention(Tensor q, int kind, int bits, int round_to, Tensor[] comp, Tensor chunk_ids, Tensor chunk_lens, "
       "Tensor tail_k, Tensor tail_v, Tensor tail_index, Tensor tail_lens, Tensor draft_k, Tensor draft_v, "
-      "Tensor draft_index, Tensor draft_lens, float scale) -> Tensor");
+      "Tensor draft_index, Tensor draft_lens, float scale, int[] params=[]) -> Tensor");
   m.impl("draft_decode_attention", c10::DispatchKey::CPU, &draft_decode_attention);
 }
