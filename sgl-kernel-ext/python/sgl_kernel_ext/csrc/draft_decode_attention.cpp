@@ -201,8 +201,11 @@ struct Scratch {
 // Codes i..i+7 of a row packed as pack_bits does (8 codes per BITS bytes, code k at bit BITS*k).
 template <int BITS>
 inline vint code_ints(const uint8_t* packed, int64_t i) {
-  uint32_t word = 0;
-  std::memcpy(&word, packed + i * BITS / 8, BITS);
+  const uint8_t* p = packed + i * BITS / 8;
+  uint32_t word = p[0];  // BITS bytes, little endian (byte loads: no read past the row)
+  if (BITS > 1) word |= static_cast<uint32_t>(p[1]) << 8;
+  if (BITS > 2) word |= static_cast<uint32_t>(p[2]) << 16;
+  if (BITS > 3) word |= static_cast<uint32_t>(p[3]) << 24;
   const vuint shifts = {0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS};
   return (vint)(((vuint{} + word) >> shifts) & ((1u << BITS) - 1));
 }
