@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -84,8 +85,23 @@ inline const float* exact_row(const void* base, Elem e, int64_t offset, int64_t 
   return buf;
 }
 
+// The 8 lane sums of each accumulator a[i] -> out[i], ((0+1)+(2+3))+((4+5)+(6+7)).
+inline void lane_sums8(const vfloat* a, float* out) {
+#ifdef ATTN_AVX2
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  for (int c = 0; c < 8; ++c) {
+    const vfloat v = a[c];
+    out[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  }
+#endif
+}
+
 // s[c] = dot(q, k[c]) for 8 keys: lane j sums q[d] k[c][d] over d = j mod 8 in order (a tail of
-// D mod 8 read as zeros), then the 8 lanes ((0+1)+(2+3))+((4+5)+(6+7)).
+// D mod 8 read as zeros), then lane_sums8.
 inline void dot8(const float* q, const float* const* k, int64_t D, float* s) {
   vfloat a[8] = {};
   int64_t j = 0;
@@ -97,17 +113,34 @@ inline void dot8(const float* q, const float* const* k, int64_t D, float* s) {
     const vfloat qj = vload_part(q + j, D - j);
     for (int c = 0; c < 8; ++c) a[c] = fmadd(qj, vload_part(k[c] + j, D - j), a[c]);
   }
-#ifdef ATTN_AVX2
-  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  _mm256_storeu_ps(s, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
-#else
-  for (int c = 0; c < 8; ++c) {
-    const vfloat v = a[c];
-    s[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  lane_sums8(a, s);
+}
+
+// dot8's arithmetic for two queries over the same 4 keys (each K vector loaded once):
+// s0[c] = dot(q0, k[c]), s1[c] = dot(q1, k[c]), c < 4, bitwise what dot8 gives.
+inline void dot4x2(const float* q0, const float* q1, const float* const* k, int64_t D, float* s0, float* s1) {
+  vfloat a[8] = {};
+  int64_t j = 0;
+  for (; j + VW <= D; j += VW) {
+    const vfloat x0 = vload(q0 + j), x1 = vload(q1 + j);
+    for (int c = 0; c < 4; ++c) {
+      const vfloat kc = vload(k[c] + j);
+      a[c] = fmadd(x0, kc, a[c]);
+      a[4 + c] = fmadd(x1, kc, a[4 + c]);
+    }
   }
-#endif
+  if (j < D) {
+    const vfloat x0 = vload_part(q0 + j, D - j), x1 = vload_part(q1 + j, D - j);
+    for (int c = 0; c < 4; ++c) {
+      const vfloat kc = vload_part(k[c] + j, D - j);
+      a[c] = fmadd(x0, kc, a[c]);
+      a[4 + c] = fmadd(x1, kc, a[4 + c]);
+    }
+  }
+  float out[8];
+  lane_sums8(a, out);
+  std::memcpy(s0, out, 4 * sizeof(float));
+  std::memcpy(s1, out + 4, 4 * sizeof(float));
 }
 
 // acc[d0 : d0 + 8*NV] += sum over c < cn of p[c] * v[c][d0 : ...], keys in order.
@@ -139,6 +172,21 @@ inline void pv(float* acc, const float* p, const float* const* v, int64_t cn, in
   }
   for (int64_t d = d0 + (Dv - d0) / VW * VW; d < Dv; ++d)  // a tail of Dv mod 8
     for (int64_t c = 0; c < cn; ++c) acc[d] = std::fma(p[c], v[c][d], acc[d]);
+}
+
+// acc[d] += p[c] * v[c][d] for keys c in [c_lo, c_hi) in order and lanes d in [d_lo, d_hi) (d_lo a
+// multiple of 8): pv's arithmetic lane by lane (lanes of whole 8-vectors fmadd, the Dv mod 8 tail
+// std::fma, as pv), so a chain split into key ranges computed one after another is pv's chain.
+inline void pv_range(float* acc, const float* p, const float* const* v, int64_t c_lo, int64_t c_hi, int64_t d_lo,
+                     int64_t d_hi, int64_t Dv) {
+  const int64_t dv8 = Dv / VW * VW, vec_end = std::min(d_hi, dv8);
+  for (int64_t d0 = d_lo; d0 < vec_end; d0 += VW) {
+    vfloat a = vload(acc + d0);
+    for (int64_t c = c_lo; c < c_hi; ++c) a = fmadd(vfloat{} + p[c], vload(v[c] + d0), a);
+    vstore(acc + d0, a);
+  }
+  for (int64_t d = std::max(d_lo, dv8); d < d_hi; ++d)
+    for (int64_t c = c_lo; c < c_hi; ++c) acc[d] = std::fma(p[c], v[c][d], acc[d]);
 }
 
 // exp for x <= 0 (a score minus its row's max), Cephes' expf polynomial (about 1 ulp), 8 lanes
@@ -175,21 +223,30 @@ inline float lane_max(vfloat v) {
   return m;
 }
 
-// One query head over one chunk of cn <= CHUNK keys: kp[c] its key rows (kp[cn, round_up8(cn))
-// any finite rows, e.g. zeros: their scores are set to -inf), vp[c] its value rows. s is CHUNK
-// floats of scratch; (m, l, acc[0, Dv)) the head's running max, sum and unnormalized output.
-inline void attend_chunk(const float* q, const float* const* kp, const float* const* vp, int64_t cn, int64_t D,
-                         int64_t Dv, float* s, float& m, float& l, float* acc) {
-  const int64_t cn8 = (cn + VW - 1) / VW * VW;
-  for (int64_t c = 0; c < cn8; c += VW) dot8(q, kp + c, D, s + c);
+// The online-softmax state of one query head: its scaled query, running max / sum, unnormalized
+// output acc[0, Dv), and CHUNK floats of score scratch s.
+struct HeadState {
+  const float* q;
+  float* s;
+  float* m;
+  float* l;
+  float* acc;
+};
+
+inline int64_t round8(int64_t n) { return (n + VW - 1) / VW * VW; }
+
+// Scores s[0, cn8) -> probabilities (padding lanes [cn, cn8): 0), the head's max / sum / acc rescaled.
+inline void softmax_chunk(const HeadState& h, int64_t cn, int64_t Dv) {
+  const int64_t cn8 = round8(cn);
+  float* s = h.s;
   for (int64_t c = cn; c < cn8; ++c) s[c] = -std::numeric_limits<float>::infinity();
-  vfloat vmax = vfloat{} + m;
+  vfloat vmax = vfloat{} + *h.m;
   for (int64_t c = 0; c < cn8; c += VW) {
     const vfloat x = vload(s + c);
     vmax = x > vmax ? x : vmax;
   }
   const float mc = lane_max(vmax);
-  const float alpha = std::exp(m - mc);  // exp(-inf) = 0 on the first chunk
+  const float alpha = std::exp(*h.m - mc);  // exp(-inf) = 0 on the first chunk
   vfloat vsum = {};
   for (int64_t c = 0; c < cn8; c += VW) {
     const vfloat p = exp_nonpositive(vload(s + c) - mc);  // padding lanes: 0
@@ -197,10 +254,54 @@ inline void attend_chunk(const float* q, const float* const* kp, const float* co
     vsum += p;
   }
   const float sum = ((vsum[0] + vsum[1]) + (vsum[2] + vsum[3])) + ((vsum[4] + vsum[5]) + (vsum[6] + vsum[7]));
-  l = l * alpha + sum;
-  m = mc;
-  for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
-  pv(acc, s, vp, cn, Dv);
+  *h.l = *h.l * alpha + sum;
+  *h.m = mc;
+  for (int64_t d = 0; d < Dv; ++d) h.acc[d] *= alpha;
+}
+
+// One query head over one chunk of cn <= CHUNK keys: kp[c] its key rows (kp[cn, round8(cn)) any
+// finite rows, e.g. zeros: their scores are set to -inf), vp[c] its value rows.
+inline void attend_chunk(const HeadState& h, const float* const* kp, const float* const* vp, int64_t cn, int64_t D,
+                         int64_t Dv) {
+  for (int64_t c = 0; c < round8(cn); c += VW) dot8(h.q, kp + c, D, h.s + c);
+  softmax_chunk(h, cn, Dv);
+  pv(h.acc, h.s, vp, cn, Dv);
+}
+
+// acc0 / acc1 [d0, d0 + 32) += p0[c] / p1[c] * v[c][d0, ...] over c in [c_lo, c_hi), keys in order:
+// pv's arithmetic (one fused multiply-add per key and lane), each V vector loaded once for both.
+inline void pv2_block(float* acc0, float* acc1, const float* p0, const float* p1, const float* const* v, int64_t c_lo,
+                      int64_t c_hi, int64_t d0) {
+  vfloat a[8];
+  for (int j = 0; j < 4; ++j) a[j] = vload(acc0 + d0 + j * VW), a[4 + j] = vload(acc1 + d0 + j * VW);
+  for (int64_t c = c_lo; c < c_hi; ++c) {
+    const vfloat x0 = vfloat{} + p0[c], x1 = vfloat{} + p1[c];
+    const float* vr = v[c] + d0;
+    for (int j = 0; j < 4; ++j) {
+      const vfloat vj = vload(vr + j * VW);
+      a[j] = fmadd(x0, vj, a[j]);
+      a[4 + j] = fmadd(x1, vj, a[4 + j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) vstore(acc0 + d0 + j * VW, a[j]), vstore(acc1 + d0 + j * VW, a[4 + j]);
+}
+
+// attend_chunk for two query heads over the same key rows (their first cn0 / cn1 keys), bitwise
+// what attend_chunk gives each: the K and V vectors are loaded once for both.
+inline void attend_chunk2(const HeadState& h0, const HeadState& h1, const float* const* kp, const float* const* vp,
+                          int64_t cn0, int64_t cn1, int64_t D, int64_t Dv) {
+  const int64_t cn8 = round8(std::max(cn0, cn1));
+  for (int64_t c = 0; c < cn8; c += 4) dot4x2(h0.q, h1.q, kp + c, D, h0.s + c, h1.s + c);
+  softmax_chunk(h0, cn0, Dv);
+  softmax_chunk(h1, cn1, Dv);
+  const int64_t both = std::min(cn0, cn1), dv32 = Dv / 32 * 32;
+  for (int64_t d0 = 0; d0 < dv32; d0 += 32) pv2_block(h0.acc, h1.acc, h0.s, h1.s, vp, 0, both, d0);
+  // What is left, each lane's chain continuing in key order: keys [both, cn) of lanes [0, dv32),
+  // all keys of lanes [dv32, Dv).
+  for (const auto& [h, cn] : {std::pair<const HeadState*, int64_t>{&h0, cn0}, {&h1, cn1}}) {
+    pv_range(h->acc, h->s, vp, both, cn, 0, dv32, Dv);
+    pv_range(h->acc, h->s, vp, 0, cn, dv32, Dv, Dv);
+  }
 }
 
 }  // namespace attn

@@ -506,8 +506,8 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       for (int64_t c = cn; c < cn8; ++c) kp[hh * CHUNK + c] = st.zero.data();  // padding lanes: -inf below
     for (int64_t qi = 0; qi < QH; ++qi) {
       const int64_t hh = qi / G;
-      attend_chunk(st.qf.data() + qi * D, kp + hh * CHUNK, vp + hh * CHUNK, cn, D, Dv, st.s.data(), st.m[qi], st.l[qi],
-                   st.acc.data() + qi * Dv);
+      attend_chunk({st.qf.data() + qi * D, st.s.data(), &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv}, kp + hh * CHUNK,
+                   vp + hh * CHUNK, cn, D, Dv);
     }
   }
   for (int64_t qi = 0; qi < QH; ++qi) {

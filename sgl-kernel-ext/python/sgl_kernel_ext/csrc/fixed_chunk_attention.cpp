@@ -28,17 +28,19 @@ using namespace attn;
 // (bfloat16 / float16, exact), one chunk of CHUNK visible keys at a time; the chunk is reused by
 // the block's next row whose chunk has the same keys (causal rows share all but their last chunk).
 // A row whose visible keys are a prefix of the index (decode, causal prefill and verify) needs no
-// column list. Only the row's own keys reach its arithmetic: never the block, the reuse or the thread.
+// column list. The (row, query head) pairs over one chunk go two at a time through attend_chunk2
+// (each K / V vector loaded once for both; per pair bitwise attend_chunk, the single pair's path).
+// Only the row's own keys reach its arithmetic: never the block, the pairing, the reuse or the thread.
 constexpr int64_t QB = 16;
 
 struct Scratch {  // per thread, allocated once
   std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l;
   std::vector<int32_t> cols;  // rows with a non-prefix mask: their visible columns, in order
-  std::vector<int64_t> nv, chunk_cols;
+  std::vector<int64_t> nv, chunk_cols, pend, pend_cn;
   std::vector<char> prefix;
   Scratch(int64_t G, int64_t D, int64_t Dv, int64_t S)
-      : qf(QB * G * D), kbuf(CHUNK * D), vbuf(CHUNK * Dv), zero(D, 0.f), s(CHUNK), acc(QB * G * Dv), m(QB * G),
-        l(QB * G), cols(QB * S), nv(QB), chunk_cols(CHUNK), prefix(QB) {}
+      : qf(QB * G * D), kbuf(CHUNK * D), vbuf(CHUNK * Dv), zero(D, 0.f), s(2 * CHUNK), acc(QB * G * Dv), m(QB * G),
+        l(QB * G), cols(QB * S), nv(QB), chunk_cols(CHUNK), pend(QB * G), pend_cn(QB * G), prefix(QB) {}
 };
 
 // Visible columns of one mask row: n, and whether they are exactly [0, n).
@@ -99,6 +101,17 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
       std::fill(st.l.begin(), st.l.begin() + nq * G, 0.f);
       for (int64_t c0 = 0; c0 < max_nv; c0 += CHUNK) {
         int64_t built = 0;  // keys in krow / vrow, chunk_cols[0, built) their columns
+        int64_t npend = 0;  // (row, head) pairs over the built chunk not yet computed, two at a time
+        auto state = [&](int64_t r, int64_t slot) {  // slot: which CHUNK floats of score scratch
+          return HeadState{st.qf.data() + r * D, st.s.data() + slot * CHUNK, &st.m[r], &st.l[r], st.acc.data() + r * Dv};
+        };
+        auto flush = [&]() {
+          for (int64_t i = 0; i + 1 < npend; i += 2)
+            attend_chunk2(state(st.pend[i], 0), state(st.pend[i + 1], 1), krow, vrow, st.pend_cn[i], st.pend_cn[i + 1], D,
+                          Dv);
+          if (npend % 2) attend_chunk(state(st.pend[npend - 1], 0), krow, vrow, st.pend_cn[npend - 1], D, Dv);
+          npend = 0;
+        };
         // Rows with the most keys first: a causal block builds each chunk once, the shorter rows'
         // chunks are prefixes of it.
         for (int64_t il = nq - 1; il >= 0; --il) {
@@ -108,6 +121,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
           bool covered = cn <= built;
           for (int64_t c = 0; covered && c < cn; ++c) covered = st.chunk_cols[c] == (rc ? rc[c] : c0 + c);
           if (!covered) {
+            flush();
             for (int64_t c = 0; c < cn; ++c) {
               const int64_t col = rc ? rc[c] : c0 + c;
               const int64_t r = row_index[col];
@@ -119,11 +133,11 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
             built = cn;
           }
           for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = il * G + g;
-            attend_chunk(st.qf.data() + r * D, krow, vrow, cn, D, Dv, st.s.data(), st.m[r], st.l[r],
-                         st.acc.data() + r * Dv);
+            st.pend[npend] = il * G + g;
+            st.pend_cn[npend++] = cn;
           }
         }
+        flush();
       }
       for (int64_t il = 0; il < nq; ++il)
         for (int64_t g = 0; g < G; ++g) {
