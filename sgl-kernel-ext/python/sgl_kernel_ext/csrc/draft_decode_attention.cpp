@@ -213,13 +213,16 @@ inline vint code_ints(const uint8_t* packed, int64_t i) {
 // lv[c] for 8 codes c < 16, lv's 16 floats given as lo = lv[0:8], hi = lv[8:16] (entries past the
 // level count are never picked).
 inline vfloat lookup(vfloat lo, vfloat hi, vint c) {
-#ifdef DRAFT_AVX2
+#ifdef ATTN_AVX2
   const __m256i ci = (__m256i)c;
   const __m256 a = _mm256_permutevar8x32_ps((__m256)lo, ci), b = _mm256_permutevar8x32_ps((__m256)hi, ci);
   return (vfloat)_mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(ci, _mm256_set1_epi32(7))));
 #else
+  float lv[2 * VW];
+  std::memcpy(lv, &lo, sizeof(lo));
+  std::memcpy(lv + VW, &hi, sizeof(hi));
   vfloat r;
-  for (int k = 0; k < VW; ++k) r[k] = c[k] < 8 ? lo[c[k]] : hi[c[k] - 8];
+  for (int k = 0; k < VW; ++k) r[k] = lv[c[k]];
   return r;
 #endif
 }
