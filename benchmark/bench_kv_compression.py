@@ -9,8 +9,9 @@ share of greedy outputs identical to full mode, the mean position of the first d
 (over the outputs that diverge), and the share of code completions that ast.parse accepts,
 lossy against full. Quantizers imply their own ratio, so they run once; DROP+QUANT names compose
 a dropper (at each ratio) and a quantizer. A second table gives what compression itself cost in
-each lossy run (time in compress_pages, every layer of every folded page), and for kvzip what the
-paper's reconstruction pass would add (this runtime scores with a proxy, see compress/kvzip.py).
+each lossy run (time in compress_pages, every layer of every folded page), the prefill's forwards,
+and apart from them kvzip's reconstruction passes (a forward per folded page, see
+model_executor/reconstruction_pass.py; kvzip_proxy scores without one, kvzap with its surrogate).
 --merge keeps the stored rows this run does not redo (same prompts, tokens and page).
 """
 
@@ -84,7 +85,6 @@ def main() -> None:
     for name, ratio in tqdm(configs, desc="lossy runs"):
         cfg = CompressorConfig.from_model_config(name, ratio or 4.0, args.page_size, mc)
         comp = get_compressor(name, cfg)
-        dropper = getattr(comp, "drop", comp)  # kvzip alone or composed
         spent = time_compression()
         lossy = run_mode(args.model_path, ids, args.max_new_tokens, kv_compressor=name,
                          kv_compression_ratio=ratio or 4.0, **common)
@@ -106,9 +106,11 @@ def main() -> None:
             "compress_seconds": spent["seconds"],
             "chunks_compressed": spent["chunks"],
             "prompt_tokens": sum(len(x) for x in ids),
-            # kvzip: tokens the paper's reconstruction pass would forward (prompt + chunk, per chunk)
-            "reconstruction_tokens": (spent["chunks"] * dropper.reconstruction_tokens()
-                                      if hasattr(dropper, "reconstruction_tokens") else None),
+            # the prefill's EXTEND forwards, and kvzip's reconstruction passes apart from them
+            "prefill_seconds": sum(lossy.metrics["forward_seconds"].get("EXTEND", [])),
+            "reconstruction_seconds": sum(lossy.metrics["forward_seconds"].get("RECONSTRUCT", [])),
+            "reconstruction_forwards": lossy.metrics.get("reconstruction", {}).get("forwards"),
+            "reconstruction_tokens": lossy.metrics.get("reconstruction", {}).get("tokens"),
         })
 
     report = {"model_path": args.model_path, "machine": machine(), "args": vars(args), "rows": rows}
@@ -139,22 +141,27 @@ def main() -> None:
             "What compression cost in each lossy run (compress_pages: every layer of every page folded, "
             "prefill and decode), beside the run's wall time:",
             "",
-            "| compressor | ratio | pages folded | compress s | ms per page | lossy run s |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "`prefill s`: the run's EXTEND forwards without kvzip's reconstruction passes; `pass s`: those "
+            "passes' forwards (- where a row predates the column).",
+            "",
+            "| compressor | ratio | pages folded | compress s | ms per page | prefill s | pass s | lossy run s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
+        sec = lambda r, key: "-" if r.get(key) is None else f"{r[key]:.2f}"  # noqa: E731
         for r in timed:
             ratio = f"{r['ratio']:g}" if r["ratio"] else "-"
             per = 1e3 * r["compress_seconds"] / max(r["chunks_compressed"], 1)
             lines.append(f"| {r['compressor']} | {ratio} | {r['chunks_compressed']} | "
-                         f"{r['compress_seconds']:.2f} | {per:.2f} | {r['seconds']:.1f} |")
+                         f"{r['compress_seconds']:.2f} | {per:.2f} | {sec(r, 'prefill_seconds')} | "
+                         f"{sec(r, 'reconstruction_seconds') if r.get('reconstruction_forwards') else '-'} | "
+                         f"{r['seconds']:.1f} |")
         for r in timed:
-            if r.get("reconstruction_tokens"):
+            if r.get("reconstruction_forwards"):
                 extra, prompt = r["reconstruction_tokens"], r["prompt_tokens"]
                 lines.append(
-                    f"\n{r['compressor']} at ratio {r['ratio']:g} scores with its proxy (the prefill's own "
-                    "queries; the time above). For those pages the paper's reconstruction pass would "
-                    f"forward {extra} more tokens over the context ({extra / prompt:.2f}x the {prompt} prompt "
-                    "tokens prefilled): a second prefill, reported apart from it.")
+                    f"\n{r['compressor']} at ratio {r['ratio']:g}: {r['reconstruction_forwards']} reconstruction "
+                    f"passes forwarded {extra} tokens over the context ({extra / prompt:.2f}x the {prompt} prompt "
+                    "tokens prefilled), in the `pass s` column apart from the prefill.")
     write_results("kv_compression", report, "\n".join(lines))
 
 

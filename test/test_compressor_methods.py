@@ -300,9 +300,18 @@ def test_reconstruction_score_takes_the_max_over_the_kv_groups_q_heads():
     assert torch.equal(reconstruction_scores(rec, k, 1.0), torch.maximum(p_up, p_down)[None])
 
 
+def test_reconstruction_score_counts_the_sinks_in_the_softmax_but_scores_only_the_chunk():
+    k = torch.tensor([[[1.0]], [[2.0]]])
+    rec = ReconstructionPass(q=torch.tensor([[[1.0]]]), k=torch.tensor([[[3.0]]]), sink_k=torch.tensor([[[4.0]]]))
+    p = torch.softmax(torch.tensor([4.0, 1.0, 2.0, 3.0]), 0)[1:3]  # [sink | chunk | own]
+    assert torch.equal(reconstruction_scores(rec, k, scale=1.0), p[None])
+
+
 def test_kvzip_proxy_rereads_the_chunk_after_it_and_its_prompt():
-    comp = make("kvzip", kvzip_prompt_tokens=3)
+    comp = make("kvzip_proxy", kvzip_prompt_tokens=3)
     assert comp.reconstruction_tokens() == 19 and comp.query_window(0) == 16
+    assert not comp.needs_reconstruction and make("kvzip").needs_reconstruction
+    assert make("kvzip").query_window(0) == 0
     q, k = randn(16, 4, 8, seed=10), randn(16, 2, 8, seed=11)
     rec = comp.proxy_pass(q, k)
     rope = ChunkRope(8, ROPE)
@@ -328,6 +337,8 @@ def test_kvzip_takes_the_schedulers_reconstruction_pass_and_keeps_sinks():
     )
     with pytest.raises(ValueError, match="ReconstructionPass"):
         comp.compress(0, k, k, q=ReconstructionPass(q_rep, torch.zeros(5, 1, 8)), positions=torch.arange(16))
+    with pytest.raises(ValueError, match="needs the model runner's ReconstructionPass"):
+        comp.compress(0, k, k, q=torch.zeros(16, 1, 8), positions=torch.arange(16))  # prefill queries: refused
 
 
 # ---------------------------------------------------------------- composition

@@ -19,13 +19,45 @@ from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.compress.quant import f16_at_least, f16_at_most, pack_codes, unpack_codes
 from sglang_vericache.compress.token_drop import attention_mass
 
-TOKEN_DROP = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip")
+TOKEN_DROP = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip", "kvzip_proxy",
+              "kvzap")
 QUANTIZERS = ("kivi2", "kivi4", "int8", "fp8", "kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
+
+
+def chunk_queries(comp, layer, lead=(), num_q=4, d=64, dtype=torch.bfloat16, g=None):
+    """What compress() takes as q: trailing queries, kvzip's ReconstructionPass (R = 5, 2 sinks), or None."""
+    from sglang_vericache.compress.kvzip import ReconstructionPass
+
+    h_kv = comp.config.num_kv_heads
+    rand = lambda *shape: torch.randn(*lead, *shape, generator=g).to(dtype)  # noqa: E731
+    if comp.needs_reconstruction:
+        return ReconstructionPass(rand(5, num_q, d), rand(5, h_kv, d), rand(2, h_kv, d))
+    if getattr(comp, "reads_hidden", False):  # kvzap: the chunk's hidden states
+        return rand(comp.config.chunk_size, comp.surrogate.hidden_size)
+    window = comp.query_window(layer)
+    return torch.randn(*lead, window, num_q, d, generator=g).to(dtype) if window else None
+
+
+def random_surrogate(num_layers: int, hidden: int = 32, heads: int = 2) -> str:
+    """A random linear KVzap surrogate's file (kvzap scores hidden states with it), written once per shape."""
+    import os
+    import tempfile
+
+    from sglang_vericache.compress.kvzap import KVzapSurrogate
+
+    path = os.path.join(tempfile.gettempdir(), f"vericache-test-kvzap-{os.getpid()}-{num_layers}x{hidden}x{heads}.st")
+    if not os.path.exists(path):
+        g = torch.Generator().manual_seed(num_layers)
+        KVzapSurrogate({"w": torch.randn(num_layers, hidden, heads, generator=g), "b": torch.zeros(num_layers, heads)}
+                       ).save(path)
+    return path
 
 
 def make(name: str, **kw):
     args = dict(ratio=4, chunk_size=16, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=4)
     args.update({"dtype": torch.float32} | kw)
+    if name == "kvzap":
+        args["kvzap_path"] = random_surrogate(args["num_layers"], heads=args["num_kv_heads"])
     return get_compressor(name, CompressorConfig(name, **args))
 
 
@@ -160,8 +192,7 @@ def test_pyramidkv_top_layer_keeps_its_budget_with_snapkv_rule():
 def test_token_drop_at_ratio_one_keeps_every_token(name):
     comp = make(name, ratio=1, num_layers=2, window_size=4)
     k, v = random_kv()
-    window = comp.query_window(0)
-    q = torch.randn(window, 4, 4) if window else None
+    q = chunk_queries(comp, 0, d=4, dtype=torch.float32)
     for layer in range(2):
         chunk = comp.compress(layer, k, v, q=q, positions=torch.arange(16))
         assert kept(chunk) == [list(range(16))] * 2
@@ -310,7 +341,7 @@ def test_fp8_error_within_half_ulp_and_grid_exact():
 #        positions 4 -> 100. rotatekv4: 128 + 32 + 4 = 164.
 EXPECTED_BYTES_PER_TOKEN = {
     "streamingllm": 129.0, "snapkv": 129.0, "h2o": 129.0, "knorm": 129.0,
-    "expected_attention": 129.0, "kvzip": 129.0,
+    "expected_attention": 129.0, "kvzip": 129.0, "kvzip_proxy": 129.0, "kvzap": 129.0,
     "kivi2": 96.0, "kivi4": 160.0, "int8": 264.0, "fp8": 264.0,
     "kvquant3": 126.75, "kvquant4": 159.25, "rotatekv2": 100.0, "rotatekv4": 164.0,
 }  # fmt: skip
@@ -318,6 +349,8 @@ EXPECTED_BYTES_PER_TOKEN = {
 
 def shape_config(name: str, ratio: float = 4) -> CompressorConfig:
     shape = dict(chunk_size=64, num_layers=4, num_kv_heads=2, num_q_heads=4, head_dim=64)
+    if name.startswith("kvzap"):
+        shape["kvzap_path"] = random_surrogate(4)
     return CompressorConfig(name, ratio, dtype=torch.bfloat16, **shape)
 
 
@@ -345,8 +378,7 @@ def test_every_chunk_matches_its_static_layout(name):
     g = torch.Generator().manual_seed(7)
     for layer in range(4):
         k, v = torch.randn(64, 2, 64, generator=g).bfloat16(), torch.randn(64, 2, 64, generator=g).bfloat16()
-        window = comp.query_window(layer)
-        q = torch.randn(window, 4, 64, generator=g).bfloat16() if window else None
+        q = chunk_queries(comp, layer, g=g)
         chunk = comp.compress(layer, k, v, q=q, positions=torch.arange(64))
         layout = comp.layout(layer)
         assert chunk.matches(layout) and chunk.nbytes() == layout.chunk_nbytes()
@@ -360,13 +392,13 @@ def test_batched_chunks_equal_chunk_by_chunk(name):
     g = torch.Generator().manual_seed(8)
     k, v = (torch.randn(3, 64, 2, 64, generator=g).bfloat16() for _ in range(2))
     positions = torch.arange(3 * 64).view(3, 64)  # sinks only in chunk 0
-    window = comp.query_window(1)
-    q = torch.randn(3, window, 4, 64, generator=g).bfloat16() if window else None
+    q = chunk_queries(comp, 1, lead=(3,), g=g)
     batched = comp.compress(1, k, v, q=q, positions=positions)
     assert batched.matches(comp.layout(1)) and batched.batch_shape(comp.layout(1)) == (3,)
     kd, vd = comp.decompress(1, batched)
     for i in range(3):
-        one = comp.compress(1, k[i], v[i], q=None if q is None else q[i], positions=positions[i])
+        qi = None if q is None else q[i] if isinstance(q, torch.Tensor) else type(q)(q.q[i], q.k[i], q.sink_k[i])
+        one = comp.compress(1, k[i], v[i], q=qi, positions=positions[i])
         assert all(torch.equal(batched[n][i], t) for n, t in one.tensors.items())
         ki, vi = comp.decompress(1, one)
         assert torch.equal(kd[i], ki) and torch.equal(vd[i], vi)

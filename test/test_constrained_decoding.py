@@ -149,7 +149,9 @@ def ids_of(results):
     return {rid: (r.output_ids, r.finished_reason) for rid, r in results.items()}
 
 
-@pytest.mark.parametrize("compressor,sampling", [(c, "greedy") for c in COMPRESSOR_NAMES]
+# kvzip_proxy, kvzap: kvzip's layout and rounds with other scorers (test_vericache_exactness runs them)
+@pytest.mark.parametrize("compressor,sampling", [(c, "greedy") for c in COMPRESSOR_NAMES
+                                                 if c not in ("kvzip_proxy", "kvzap")]
                          + [(c, "seeded") for c in ("snapkv", "kivi2", "int8")])
 def test_vericache_constrained_output_equals_full(llama, full_runs, compressor, sampling):
     vc = run(llama, SAMPLINGS[sampling], speculative_algorithm="VERICACHE", kv_compressor=compressor,

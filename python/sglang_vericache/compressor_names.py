@@ -8,7 +8,8 @@ keeps the two equal).
 
 from __future__ import annotations
 
-TOKEN_DROPPING = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip")
+TOKEN_DROPPING = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip",
+                  "kvzip_proxy", "kvzap")
 # Quantizers: the bit width fixes the ratio (their layout is "quantized").
 QUANTIZING = ("kivi2", "kivi4", "int8", "fp8", "kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
 # Registry order (compress/registry.py's COMPRESSOR_NAMES).
@@ -24,6 +25,8 @@ KV_COMPRESSORS = (
     "fp8",
     "expected_attention",
     "kvzip",
+    "kvzip_proxy",
+    "kvzap",
     "kvquant3",
     "kvquant4",
     "rotatekv2",

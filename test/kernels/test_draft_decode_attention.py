@@ -20,14 +20,16 @@ from sgl_kernel_ext.cpu_draft_attention import (
 from sglang_vericache.compress import CompressorConfig, get_compressor
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES, fp8_supported
 from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
+from sglang_vericache.testing.draft_batches import random_scoring_input
 
 T, HKV, G, D = 16, 2, 4, 64
 SCALE = D**-0.5
 # Every layout: token drop, int8, fp8, kivi, kvquant (non-uniform levels, exact outliers, pre-RoPE keys),
 # rotatekv (Hadamard basis over both KV heads, pre-RoPE keys), and drop+those (per-head positions).
 PRE_ROPE = ("kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
+SAME_LAYOUT_AS_KVZIP = ("kvzip_proxy", "kvzap")  # kvzip's layout, other scorers: nothing new for the kernel
 NAMES = [n for n in COMPRESSOR_NAMES + ("snapkv+kivi4", "pyramidkv+int8", "snapkv+kvquant3", "pyramidkv+rotatekv4")
-         if n != "fp8" or fp8_supported()]
+         if (n != "fp8" or fp8_supported()) and n not in SAME_LAYOUT_AS_KVZIP]
 # (compressed chunks, tail rows, draft rows) per request (token drop keeps 5 rows of 16 per chunk):
 # odd totals across 64-key chunk edges,
 # an empty tail, one chunk, no chunk, no drafts
@@ -79,8 +81,7 @@ class Case:
             if c:
                 k = rows(c * chunk, dtype, gen).unflatten(0, (c, chunk))
                 v = rows(c * chunk, dtype, gen).unflatten(0, (c, chunk))
-                w = self.comp.query_window(0)
-                qw = torch.randn(c, w, HKV * G, D, generator=gen).to(dtype) if w else None
+                qw = random_scoring_input(self.comp, 0, (c,), gen, dtype)
                 pos = torch.arange(c * chunk).view(c, chunk)
                 self.pool.write(0, torch.tensor(mine[0]), self.comp.compress(0, k, v, q=qw, positions=pos))
             for slots, kp, vp in ((mine[1], self.tail_k, self.tail_v), (mine[2], self.draft_k, self.draft_v)):

@@ -57,6 +57,8 @@ class CompressorConfig:
     # kvquant
     outlier_fraction: float = 0.01  # share of each chunk's K (and V) values kept exact in a sparse side list
     kmeans_iters: int = 8  # Lloyd iterations fitting the chunk's non-uniform levels
+    # kvzap: its surrogate's file (from_model_config: kvzap/surrogate.safetensors in the checkpoint's folder)
+    kvzap_path: str | None = None
     # RoPE of the model (kvquant, rotatekv: pre-RoPE keys; expected_attention, kvzip: positions), as
     # layers/rotary_embedding.get_rope_parameters gives it; None -> default RoPE, theta 10000
     rope_parameters: dict | None = None
@@ -92,6 +94,10 @@ class CompressorConfig:
             from sglang_vericache.layers.rotary_embedding import get_rope_parameters
 
             options["rope_parameters"] = get_rope_parameters(m.hf_config)
+        if getattr(m, "model_path", None) and "kvzap_path" not in options:
+            from sglang_vericache.compress.kvzap import surrogate_path
+
+            options["kvzap_path"] = surrogate_path(m.model_path)
         return CompressorConfig(
             name,
             ratio=ratio,
@@ -177,6 +183,9 @@ def exact_bytes_per_token(config: CompressorConfig) -> int:
 
 class KVCompressor(ABC):
     name: str = ""
+    # True: compress() takes, as q, the model runner's kvzip.ReconstructionPass of the chunks (a
+    # forward of its own over the exact KV, model_executor/reconstruction_pass.py), not prefill queries.
+    needs_reconstruction: bool = False
 
     def __init__(self, config: CompressorConfig):
         self.config = config

@@ -47,6 +47,18 @@ class ComposedCompressor(KVCompressor):
     def query_window(self, layer_id: int) -> int:
         return self.drop.query_window(layer_id)
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.drop.needs_reconstruction
+
+    @property
+    def reads_hidden(self) -> bool:
+        return getattr(self.drop, "reads_hidden", False)
+
+    @property
+    def surrogate(self):
+        return self.drop.surrogate
+
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)
         rows = self.drop.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]

@@ -24,6 +24,8 @@ _COMPRESSORS: dict[str, tuple[str, str, dict]] = {
     "fp8": ("fp8", "FP8Compressor", {}),
     "expected_attention": ("expected_attention", "ExpectedAttentionCompressor", {}),
     "kvzip": ("kvzip", "KVzipCompressor", {}),
+    "kvzip_proxy": ("kvzip", "KVzipProxyCompressor", {}),
+    "kvzap": ("kvzap", "KVzapCompressor", {}),
     "kvquant3": ("kvquant", "KVQuantCompressor", {"bits": 3}),
     "kvquant4": ("kvquant", "KVQuantCompressor", {"bits": 4}),
     "rotatekv2": ("rotatekv", "RotateKVCompressor", {"bits": 2}),

@@ -32,8 +32,17 @@ class RadixAttention(nn.Module):
         v: torch.Tensor,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H*D] or [T, H, D], k/v [T, Hkv*D] or [T, Hkv, D] -> [T, H*D]."""
+        """q [T, H*D] or [T, H, D], k/v [T, Hkv*D] or [T, Hkv, D] -> [T, H*D]; hidden [T, hidden_size]:
+        the layer's attention input, captured instead of q under forward_batch.capture_hidden (kvzap)."""
         if forward_batch.captured_q is not None:
-            forward_batch.captured_q[self.layer_id] = q.reshape(q.shape[0], -1)
+            src = q
+            if forward_batch.capture_hidden:
+                if hidden is None:
+                    raise ValueError("capture_hidden: this model's attention does not pass its hidden states")
+                src = hidden
+            forward_batch.captured_q[self.layer_id] = src.reshape(src.shape[0], -1)
+        if forward_batch.captured_k is not None:
+            forward_batch.captured_k[self.layer_id] = k.reshape(k.shape[0], -1)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

@@ -143,6 +143,8 @@ def compress_pages(
                method (snapkv, pyramidkv, h2o) can compress only inside the forward pass that
                computed the page (prefill/verify); rebuilding its chunks from the exact tier alone
                needs that forward to be recomputed. Query-free methods rebuild from exact KV.
+               kvzip (compressor.needs_reconstruction): per layer a kvzip.ReconstructionPass of the
+               n chunks (q [n, R, H_q, D], k [n, R, H_kv, D]), the model runner's extra forward.
     Chunk-local and deterministic: the same pages give the same bytes wherever they are stored.
     """
     t = compressor.config.chunk_size
@@ -157,9 +159,10 @@ def compress_pages(
         k = kv_pool.get_key_buffer(layer)[slots].unflatten(0, (n, t))  # [n, T, H_kv, D]
         v = kv_pool.get_value_buffer(layer)[slots].unflatten(0, (n, t))
         q = None
-        if compressor.query_window(layer) > 0:
+        if compressor.query_window(layer) > 0 or compressor.needs_reconstruction:
             if queries is None or queries[layer] is None:
-                raise ValueError(f"{compressor.name} needs queries [n, W, H_q, D] for layer {layer}")
+                what = "a ReconstructionPass" if compressor.needs_reconstruction else "queries [n, W, H_q, D]"
+                raise ValueError(f"{compressor.name} needs {what} for layer {layer}")
             q = queries[layer]
         chunk = compressor.compress(layer, k, v, q=q, positions=pos)
         compressed_pool.write(layer, ids, chunk)

@@ -3,7 +3,9 @@
 Per request (two-tier modes), on top of the exact-tier invariant in Req:
   comp_indices  chunk ids of pages [0, C); C * page_size <= kv_committed_len.
   q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
-                (only for query-scored compressors: snapkv, pyramidkv, h2o).
+                (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
+                the attention inputs [n, hidden] instead).
+kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner).
 A page is folded (compressed) as soon as its exact KV is committed, so the exact tail that
 drafting reads, positions [C*ps, kv_committed_len), is always shorter than a page.
 """
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.compress.base import CompressorConfig
+from sglang_vericache.compress.kvzip import ReconstructionPass
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages
@@ -64,6 +67,24 @@ class TwoTierKV:
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
         self.needs_queries = any(w > 0 for w in self.windows)
+        self.reads_hidden = bool(getattr(self.compressor, "reads_hidden", False))  # kvzap: q_hist holds hidden states
+        model_runner.capture_hidden = self.reads_hidden
+        if self.reads_hidden:
+            hidden = self.compressor.surrogate.hidden_size  # a missing surrogate fails here, by name
+            if hidden != mc.hidden_size:
+                raise ValueError(f"kvzap: the surrogate reads hidden states of {hidden}, the model's are "
+                                 f"{mc.hidden_size}")
+        self.reconstruction = None  # kvzip: the model's reconstruction pass of every folded page
+        if self.compressor.needs_reconstruction:
+            from sglang_vericache.model_executor.reconstruction_pass import ReconstructionRunner, repeat_prompts
+
+            tokenizer = None
+            if not args.skip_tokenizer_init:
+                from sglang_vericache.managers.tokenizer_manager import load_tokenizer
+
+                tokenizer = load_tokenizer(args)
+            self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),
+                                                       cfg.num_sink_tokens)
         logger.info(
             "compressed tier: %s, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
             args.kv_compressor, num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
@@ -114,16 +135,45 @@ class TwoTierKV:
                 if w == 0:
                     queries.append(None)
                     continue
-                hist = req.q_hist[layer][: (p - c) * ps].unflatten(0, (p - c, ps))  # [n, T, H_q*D]
-                q = hist[:, ps - w :].unflatten(-1, (-1, self.compressor.config.head_dim))
+                hist = req.q_hist[layer][: (p - c) * ps].unflatten(0, (p - c, ps))  # [n, T, H_q*D or hidden]
+                q = hist[:, ps - w :]
+                if not self.reads_hidden:
+                    q = q.unflatten(-1, (-1, self.compressor.config.head_dim))
                 queries.append(q)
             for layer in list(req.q_hist):
                 req.q_hist[layer] = req.q_hist[layer][(p - c) * ps :]
         positions = torch.arange(c * ps, p * ps, dtype=torch.int64)
-        compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
-                       positions=positions, queries=queries)
+        if self.reconstruction is not None:
+            self.fold_reconstructed(req, c, p, slots, ids, positions)
+        else:
+            compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
+                           positions=positions, queries=queries)
         req.comp_indices = torch.cat([req.comp_indices, ids])
         return True
+
+    def fold_reconstructed(self, req: Req, c: int, p: int, slots, ids, positions) -> None:
+        """Pages [c, p) of req through their reconstruction passes; pages whose passes have the
+        same shape (every page after the first) are compressed together."""
+        ps = self.page_size
+        passes = self.reconstruction.passes(req.req_pool_idx, req.fill_ids, [i * ps for i in range(c, p)])
+        groups: dict[tuple, list[int]] = {}
+        for j, layers in enumerate(passes):
+            rec = layers[0]
+            groups.setdefault((rec.q.shape[0], None if rec.sink_k is None else rec.sink_k.shape[0]), []).append(j)
+        for members in groups.values():
+            sel = torch.tensor(members)
+            rows = (sel[:, None] * ps + torch.arange(ps)).flatten()
+            recs = [
+                ReconstructionPass(
+                    torch.stack([passes[j][layer].q for j in members]),
+                    torch.stack([passes[j][layer].k for j in members]),
+                    None if passes[members[0]][layer].sink_k is None
+                    else torch.stack([passes[j][layer].sink_k for j in members]),
+                )
+                for layer in range(len(passes[0]))
+            ]
+            compress_pages(self.compressor, self.kv_pool, self.pool, slots[rows.to(slots.device)], ids[sel],
+                           positions=positions[rows], queries=recs)
 
     def alloc_chunks(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.available_chunks()
@@ -134,9 +184,10 @@ class TwoTierKV:
     # ------------------------------------------------------------------ admission and memory
 
     def usable_match(self, match):
-        """Query-scored compressors cannot rebuild chunks from exact KV alone: their usable exact
-        prefix ends where the compressed one does (the rest is recomputed)."""
-        if not self.needs_queries or match.comp_len >= len(match.device_indices):
+        """Query-scored compressors (and kvzip, whose pass is a forward of the model) do not rebuild
+        chunks from exact KV alone: their usable exact prefix ends where the compressed one does
+        (the rest is recomputed)."""
+        if not (self.needs_queries or self.reconstruction) or match.comp_len >= len(match.device_indices):
             return match
         return type(match)(
             device_indices=match.device_indices[: match.comp_len],

@@ -157,8 +157,8 @@ class CudaGraphRunner:
         backend = self.mr.attn_backend
         if not getattr(backend, "kernels_fit", False) or not hasattr(backend, "kernels"):
             return False  # triton backend only
-        if fb.staged is not None or fb.logits_indices is not None:
-            return False
+        if fb.staged is not None or fb.logits_indices is not None or fb.capture_hidden:
+            return False  # (graphs capture queries, not kvzap's hidden states)
         if fb.batch_size > self.capture_bs[-1]:
             return False
         if fb.forward_mode.is_decode():

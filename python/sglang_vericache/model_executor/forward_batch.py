@@ -167,6 +167,11 @@ class ForwardBatch:
     # When a dict, each attention layer stores its post-RoPE queries [num_tokens, H_q*D] under its
     # layer id (query-scored compressors need them to compress a chunk).
     captured_q: dict | None = None
+    # The same for the post-RoPE keys [num_tokens, H_kv*D] (KVzip's reconstruction pass).
+    captured_k: dict | None = None
+    # captured_q holds each layer's attention input [num_tokens, hidden_size] instead of its queries
+    # (kvzap scores hidden states; set by the ModelRunner from its capture_hidden).
+    capture_hidden: bool = False
     # Set by the ModelRunner before the forward.
     req_to_token_pool: object = None
     token_to_kv_pool: object = None

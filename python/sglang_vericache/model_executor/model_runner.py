@@ -38,6 +38,7 @@ class ModelRunner:
         kv = server_args.kv_cache_dtype
         self.kv_dtype = self.dtype if kv == "auto" else getattr(torch, kv)  # the exact KV pools' dtype
         self.page_size = server_args.page_size
+        self.capture_hidden = False  # kvzap's two-tier sets it: captured_q holds attention inputs
         self.model = load_model(
             self.model_config, self.device, server_args.load_format, server_args.random_seed)
         self.batch_invariant_mode = self.init_deterministic_inference()
@@ -159,6 +160,7 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        fb.capture_hidden = self.capture_hidden
         try:
             with torch.inference_mode():
                 if self.graph_runner is not None and self.graph_runner.can_run(fb):

@@ -99,7 +99,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), forward_batch)
+        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), forward_batch, hidden=hidden)
         return self.o_proj(out)
 
 

@@ -60,20 +60,19 @@ def compress_prefix(
     """Compress the first num_pages pages of req's exact KV.
 
     Query-scored compressors (snapkv, pyramidkv, h2o) need the pages' own queries, which only the
-    forward that computed them has: with random_queries they score with random queries instead, so
-    the rows kept are arbitrary but the layout (and so the attention cost) is the real one.
+    forward that computed them has (kvzip: its reconstruction pass, kvzap: the hidden states): with
+    random_queries they score with random_scoring_input instead, so the rows kept are arbitrary
+    but the layout (and so the attention cost) is the real one.
     """
     t = cpool.chunk_size
     assert num_pages * t <= req.kv_len, "only pages with exact KV can be compressed"
     ids = cpool.alloc(num_pages)
     assert ids is not None, "compressed pool is full"
     slots = runner.req_to_token_pool.req_to_token[req.pool_idx, : num_pages * t]
-    comp, cfg = cpool.compressor, cpool.compressor.config
+    comp = cpool.compressor
     queries = None
     if random_queries is not None:
-        windows = [comp.query_window(layer) for layer in range(cpool.num_layers)]
-        queries = [torch.randn((num_pages, w, cfg.num_q_heads, cfg.head_dim), generator=random_queries).to(cfg.dtype)
-                   if w else None for w in windows]
+        queries = [random_scoring_input(comp, layer, (num_pages,), random_queries) for layer in range(cpool.num_layers)]
     compress_pages(comp, runner.token_to_kv_pool, cpool, slots, ids, torch.arange(num_pages * t), queries)
     return DraftReq(req, ids)
 
@@ -131,3 +130,21 @@ def prepare_draft_batch(
         extend_seq_lens_cpu=[1] * bs,
         draft_ctx=ctx,
     )
+
+
+def random_scoring_input(comp, layer: int, lead: tuple[int, ...], gen: torch.Generator, dtype=None):
+    """A random stand-in for what comp.compress() scores a chunk with (q), leading dims lead: the
+    trailing queries [*lead, W, H_q, D]; kvzip's ReconstructionPass (R = T + 8 rows, no sinks);
+    kvzap's hidden states [*lead, T, hidden]; or None for methods that score nothing."""
+    cfg = comp.config
+    dtype = dtype or cfg.dtype
+    rand = lambda *shape: torch.randn((*lead, *shape), generator=gen).to(dtype)  # noqa: E731
+    if comp.needs_reconstruction:
+        from sglang_vericache.compress.kvzip import ReconstructionPass
+
+        r = cfg.chunk_size + 8
+        return ReconstructionPass(rand(r, cfg.num_q_heads, cfg.head_dim), rand(r, cfg.num_kv_heads, cfg.head_dim))
+    if getattr(comp, "reads_hidden", False):
+        return rand(cfg.chunk_size, comp.surrogate.hidden_size)
+    w = comp.query_window(layer)
+    return rand(w, cfg.num_q_heads, cfg.head_dim) if w else None

@@ -129,4 +129,16 @@ def make_random_checkpoint(family: str, out_dir: str, seed: int = 0, max_shard_s
     _randomize(model, seed)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
+    write_random_kvzap(out_dir, config, seed)
     return out_dir
+
+
+def write_random_kvzap(out_dir: str, config, seed: int) -> None:
+    """A random linear KVzap surrogate (compress/kvzap.py) for the checkpoint, so `--kv-compressor
+    kvzap` runs on it (the rows it keeps are arbitrary; the bundled model ships a trained one)."""
+    from sglang_vericache.compress.kvzap import SURROGATE_FILE, KVzapSurrogate
+
+    g = torch.Generator().manual_seed(seed)
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    KVzapSurrogate({"w": torch.randn(layers, hidden, heads, generator=g) / hidden**0.5,
+                    "b": torch.zeros(layers, heads)}).save(os.path.join(out_dir, SURROGATE_FILE))
