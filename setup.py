@@ -6,7 +6,7 @@ setup(
     description="SGLang-style serving runtime that turns lossy KV-cache compression into lossless inference",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    package_data={"sglang_vericache": ["assets/*/*"]},
+    package_data={"sglang_vericache": ["assets/*/*", "assets/*/kvzap/*"]},  # + the KVzap surrogate
     include_package_data=True,
     python_requires=">=3.10",
     # torch is installed separately (requirements/torch-cpu.txt) so a CPU install never pulls CUDA wheels;
