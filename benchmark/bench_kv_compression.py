@@ -67,7 +67,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=160, help="Tokens generated per prompt.")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size.")
     p.add_argument("--merge", action="store_true",
-                   help="Keep the rows of results/kv_compression.json that this run does not redo.")
+                   help="Keep the rows of results/<out>.json that this run does not redo.")
+    p.add_argument("--out", default="kv_compression",
+                   help="Results name under benchmark/results (a subset run: give it another name).")
     args = p.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
@@ -115,7 +117,7 @@ def main() -> None:
 
     report = {"model_path": args.model_path, "machine": machine(), "args": vars(args), "rows": rows}
     if args.merge:
-        report = merge_rows("kv_compression", report, lambda r: (r["compressor"], r["ratio"]),
+        report = merge_rows(args.out, report, lambda r: (r["compressor"], r["ratio"]),
                             ("num_prompts", "prompt_tokens", "max_new_tokens", "page_size", "model_path"))
     rows = report["rows"]
     lines = [
@@ -162,7 +164,7 @@ def main() -> None:
                     f"\n{r['compressor']} at ratio {r['ratio']:g}: {r['reconstruction_forwards']} reconstruction "
                     f"passes forwarded {extra} tokens over the context ({extra / prompt:.2f}x the {prompt} prompt "
                     "tokens prefilled), in the `pass s` column apart from the prefill.")
-    write_results("kv_compression", report, "\n".join(lines))
+    write_results(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":
