@@ -105,3 +105,24 @@ def test_small_pool_completes_with_same_output(family, tmp_path):
     small, res = run_engine(path, batch, page_size=4, max_total_tokens=96, chunked_prefill_size=16)
     assert small == big
     assert all(r.finished_reason["type"] == "length" for r in res.values())
+
+
+def test_a_partial_prefill_gives_way_to_a_running_request_that_must_grow(tmp_path):
+    """A pool that holds one request to its end: the second's prefill is admitted chunk by chunk into
+    what the first has not used yet; when the first must grow, the partial prefill (the newest
+    request, not in the running batch) is retracted, not left holding the pages."""
+    path = make_random_checkpoint("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(3, 400, (24,), generator=g).tolist() for _ in range(2)]
+
+    def run(**server):
+        sched = Scheduler(ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, page_size=4,
+                                     chunked_prefill_size=8, **server))
+        reqs = [make_request(f"r{i}", ids, max_new_tokens=16, temperature=0.0, ignore_eos=True)
+                for i, ids in enumerate(batch)]
+        res = run_to_completion(sched, reqs)
+        return [res[f"r{i}"].output_ids for i in range(2)], sched.metrics.num_retracted_total
+
+    big, _ = run()
+    small, retracted = run(max_total_tokens=11 * 4)  # 40 positions per request, a page to spare
+    assert small == big and retracted > 0

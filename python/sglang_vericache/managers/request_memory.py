@@ -1,7 +1,7 @@
 """RequestMemory: a running request's exact slots, and what the scheduler does under memory pressure.
 
 Extending and truncating a request's slots, making room for the running requests' next tokens
-(evict cached prefixes, then retract the newest), retracting (its KV goes to the prefix cache,
+(evict cached prefixes, then retract the newest: a prefill in progress first), retracting (its KV goes to the prefix cache,
 evictable, and it waits first in line), and freeing a finished one. The KV invariant it keeps is
 Req's: slots req_to_token[req_pool_idx, :kv_allocated_len], whole pages owned past the prefix.
 """
@@ -36,6 +36,9 @@ class RequestMemory:
         self.on_leave: Callable[[Req], None] | None = None
         # Called after a retraction: admission (PrefillAdder.on_retract) stops being optimistic.
         self.on_retract: Callable[[], None] | None = None
+        # Hands over the prefill in progress (the scheduler's chunked_req, then cleared), or None: it is
+        # the newest request, so make_room retracts it before any running one.
+        self.take_chunked: Callable[[], Req | None] | None = None
 
     def alloc_slots(self, req: Req, num_new: int) -> torch.Tensor | None:
         """Extends `req`'s slots by num_new positions, evicting cached prefixes if needed."""
@@ -73,7 +76,13 @@ class RequestMemory:
             ok = need <= free
             if ok and self.two_tier is not None:
                 ok = self.two_tier.reserve_fold_chunks(self.running, new_tokens)
-            if ok or len(self.running) == 1:
+            if ok:
+                return
+            chunked = self.take_chunked() if self.take_chunked is not None else None
+            if chunked is not None:  # a partial prefill holds pages a running request needs to grow
+                self.retract(chunked)
+                continue
+            if len(self.running) == 1:
                 return
             self.retract(self.running.pop())
 

@@ -149,6 +149,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         args = self.server_args
         self.memory = RequestMemory(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size,
                                     self.two_tier, self.running, self.waiting_queue, self.metrics)
+        self.memory.take_chunked = self._take_chunked_req
         sink = RecordingSink if args.disagg_role == "verifier" else OutputSink
         self.output = sink(self.memory, self.running, self.metrics, self.eos_token_ids, self.tokenizer,
                            self.context_len)
@@ -233,6 +234,10 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             self.flush_outbox()
             if busy and self.profiler.running:
                 self.profiler.on_step()
+
+    def _take_chunked_req(self):
+        req, self.chunked_req = self.chunked_req, None
+        return req
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req
