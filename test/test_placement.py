@@ -28,6 +28,10 @@ class FakeReq:
     output_ids: list = field(default_factory=lambda: [1])
     decode_only: bool = False
 
+    @property
+    def spec(self):  # a Req's round state holds decode_only
+        return self
+
 
 def placement(device_bytes, comp=None, engine=None, growth=0, scratch=0, staging=0):
     # 100 bytes of scratch for the one drafting request each test has besides decode-only ones

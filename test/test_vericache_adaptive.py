@@ -128,3 +128,21 @@ def test_fitted_as_served(llama, reference):
     sched = scheduler(llama, **VC, device_kv_budget="3MB", link_bandwidth="50MB")
     assert_same(greedy, run(sched, batch))
     assert len(sched.spec_worker.controller.cost.samples) > 0
+
+
+def test_a_request_whose_compressed_tier_would_push_a_decoding_one_off_the_device_waits(llama, reference):
+    """A device budget that holds the longest of three requests' exact KV alone: the first decodes
+    resident (decode-only, as full mode would); admitting a second as VeriCache would put its
+    compressed chunks, a drafter's scratch and the staging ring in the budget and push the first's
+    exact KV onto the host, streamed over a slow link at every step. Admission compares the batch's
+    predicted throughput with and without it, so it waits: nothing is demoted, nothing crosses the
+    link, and the requests run one at a time as in full mode."""
+    batch, greedy, _ = reference
+    probe = scheduler(llama, **VC, link_bandwidth="1MB")
+    budget = probe.spec_worker.placement.exact_bytes(max(PROMPT_LENS[:3]) + NEW) + 1024
+    sched = scheduler(llama, DECODE_WINS, **VC, device_kv_budget=str(budget), link_bandwidth="1MB")
+    assert_same(greedy[:3], run(sched, batch[:3]))
+    worker = sched.spec_worker
+    assert worker.placement.stats["demotions"] == 0
+    assert sched.link.engine.bytes_total == 0
+    assert worker.max_resident == 1

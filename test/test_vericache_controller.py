@@ -9,6 +9,7 @@ import pytest
 from sglang_vericache.speculative.controller import (
     Acceptance,
     ForwardSample,
+    Plan,
     RequestView,
     StepCostModel,
     VeriCacheController,
@@ -119,3 +120,36 @@ def test_a_degenerate_fit_keeps_every_cost_positive_and_someone_runs():
     ctl = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=2e8)
     d = ctl.decide([view(resident=False)] * 9)
     assert any(p.run for p in d.plans) and d.throughput > 0
+
+
+def full_mode_floor(ctl: VeriCacheController, views: list[RequestView]) -> float:
+    """Predicted tokens/s of what full mode runs at this budget: the resident requests decoding."""
+    plans = [Plan(True, 0, 1.0, o[0].seconds_per_iter) if v.resident else Plan(False, 0)
+             for v, o in zip(views, (ctl.options(v) for v in views))]
+    return ctl._evaluate(plans, ctl.cost.coef[0]).throughput
+
+
+def test_a_decision_never_predicts_less_than_decoding_the_resident_requests():
+    """Over random costs, links, acceptance and placements (the search alone could miss it: a link
+    price grid and a ratio objective), the chosen plan is at least the full-mode floor."""
+    rng = random.Random(0)
+    for _ in range(100):
+        coef = tuple(10 ** rng.uniform(lo, hi) for lo, hi in ((-4, -2), (-6, -3), (-10, -6), (-10, -7), (-11, -8)))
+        ctl = VeriCacheController(StepCostModel(coef), kv_bytes_per_token=8192,
+                                  link_bandwidth=10 ** rng.uniform(6, 10))
+        views = [view(committed=rng.randint(100, 4000), resident=rng.random() < 0.4, rate=rng.uniform(0.1, 0.95),
+                      comp=rng.randint(30, 1000)) for _ in range(rng.randint(1, 12))]
+        d = ctl.decide(views)
+        if any(v.resident for v in views):
+            assert d.throughput >= full_mode_floor(ctl, views) * (1 - 1e-9)
+
+
+def test_with_resident_requests_host_rounds_that_stall_the_batch_wait():
+    # Decoding the resident request is cheap; a host-tier round moves 1600 * 8 KB over 200 MB/s
+    # (65 ms, longer than many decode steps) for a few tokens: the host tier stays idle.
+    cm = StepCostModel((2e-3, 1e-4, 1e-9, 1e-9, 1e-10))
+    ctl = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=2e8)
+    views = [view()] + [view(resident=False, rate=0.3)] * 3
+    d = ctl.decide(views)
+    assert [p.run for p in d.plans] == [True, False, False, False]
+    assert d.throughput >= full_mode_floor(ctl, views)

@@ -60,13 +60,13 @@ class ExactPlacement:
         return (committed + self.growth) * self.kv_bytes
 
     def update(self, running: list) -> list[bool]:
-        """Re-places the running requests (each with .rid and .kv_committed_len, in admission
-        order); -> whether each is resident now."""
+        """Re-places the running requests (each with .rid, .kv_committed_len and .spec.decode_only,
+        in admission order); -> whether each is resident now."""
         live = {r.rid for r in running}
         for rid in [rid for rid in self.state if rid not in live]:
             del self.state[rid]
         sizes = [self.exact_bytes(r.kv_committed_len) for r in running]
-        drafters = sum(1 for r in running if not getattr(r, "decode_only", False))
+        drafters = sum(1 for r in running if not r.spec.decode_only)  # decode-only requests never draft
         wanted = residency(sizes, self.free_bytes(drafters))
         if not all(wanted):  # some exact KV stays on the host: the staging ring takes its room
             wanted = residency(sizes, self.free_bytes(drafters, staging=True))

@@ -53,6 +53,9 @@ REPLAN_EVERY = 16
 # verify rows of several tokens): at least this often, one request runs a round anyway.
 EXPLORE_EVERY = 64
 EXPLORE_DRAFT = 8
+# A request is admitted only if the batch's predicted tokens/s with it beats that without it by this
+# fraction (predictions are fitted costs: a tie is no reason to take device room or link time).
+ADMIT_MARGIN = 0.02
 # Priors for the cost model before any forward is measured (CPU / CUDA device).
 PRIOR_BANDWIDTH = {"cpu": 20e9, "cuda": 2e12}
 PRIOR_FLOPS = {"cpu": 1e11, "cuda": 3e14}
@@ -161,15 +164,21 @@ class AdaptiveVeriCache:
                        mode does; its device room is its exact KV alone), if it fits;
           VeriCache    req's prompt folded into the compressed tier, resident if its exact KV still
                        fits, else on the host tier (the only way when the KV store takes compressed pages);
-        req is admitted the better way if that way runs it (a host-tier request the controller
-        would park is not admitted: it waits in the queue). Nothing running: always."""
+        req is admitted the better way if that way runs it and the batch's predicted throughput with
+        it beats the batch's without it (its compressed chunks may push others' exact KV off the
+        device: a host-tier request the controller would park, or one that costs the batch more
+        than it adds, is not admitted: it waits in the queue). Nothing running: always."""
         key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
                self.iteration // REPLAN_EVERY)
         if key != self._admit_key:
             self._admit_key = key
             best = max((self._predict(req, pending, decode_only) for decode_only in self.admission_ways),
                        key=lambda x: x[0])
-            self._admit_answer = best[1]
+            runs, decode_only = best[1]
+            if runs and (self.running or pending):
+                without = self._predict(None, pending, False)[0]
+                runs = best[0] > without * (1 + ADMIT_MARGIN)
+            self._admit_answer = (runs, decode_only)
         admit, decode_only = self._admit_answer
         if not self.running and not pending:
             admit = True  # never leave the server idle
@@ -177,20 +186,30 @@ class AdaptiveVeriCache:
             req.spec.decode_only = decode_only
         return admit
 
-    def _predict(self, req: Req, pending: list[Req], decode_only: bool) -> tuple[float, tuple[bool, bool]]:
-        """(predicted tok/s, (runs, decode_only)) with req admitted decode-only or as VeriCache."""
+    def _predict(self, req: Req | None, pending: list[Req], decode_only: bool) -> tuple[float, tuple[bool, bool]]:
+        """(predicted tok/s, (runs, decode_only)) with req admitted decode-only or as VeriCache
+        (req None: the running and pending requests alone)."""
         ps, chunk = self.page_size, self.two_tier.pool.bytes_per_chunk()
         running = set(id(r) for r in self.running)
-        reqs = list(self.running) + list(pending) + [req]
+        reqs = list(self.running) + list(pending) + ([req] if req is not None else [])
+        if not reqs:
+            return 0.0, (False, decode_only)
         lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
-        only = [r.spec.decode_only for r in reqs[:-1]] + [decode_only]
-        new_comp = sum((n // ps) * chunk for r, n, o in zip(reqs, lens, only) if id(r) not in running and not o)
-        sizes = [self.placement.exact_bytes(n) for n in lens]
+        only = [r.spec.decode_only for r in reqs]
+        if req is not None:
+            only[-1] = decode_only
+        # Residency is judged at every request's end (its prompt and all its new tokens), so a request
+        # admitted resident stays so as it and the others grow: a decode-only request pushed onto the
+        # host later would stream one-row verifies, slower than waiting in the queue.
+        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
+        new_comp = sum((f // ps - (len(r.comp_indices) if id(r) in running else 0)) * chunk
+                       for r, f, o in zip(reqs, final, only) if not o)
+        sizes = [self.placement.exact_bytes(f) for f in final]
         drafters = sum(1 for o in only if not o)
         resident = residency(sizes, self.placement.free_bytes(drafters) - new_comp)
         if not all(resident):
             resident = residency(sizes, self.placement.free_bytes(drafters, staging=True) - new_comp)
-        if decode_only and not resident[-1]:
+        if req is not None and decode_only and not resident[-1]:
             return -1.0, (False, True)
         views = []
         for r, n, res, o in zip(reqs, lens, resident, only):

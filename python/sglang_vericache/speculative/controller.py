@@ -228,22 +228,34 @@ class VeriCacheController:
     def decide(self, views: list[RequestView]) -> Decision:
         c0 = self.cost.coef[0]
         opts = [self.options(v) for v in views]
-        best: Decision | None = None
+        # The floor every decision is held to: what full mode runs at this budget, the resident
+        # requests decoding and the host tier idle; then the best plan with the host tier idle.
+        # The search over every choice (host-tier rounds at each link price) must beat them.
+        idle = [[p for p in o if not p.link_seconds_per_iter] or o for o in opts]
+        best = self._evaluate([next((p for p in o if p.run and p.draft_len == 0 and not p.link_seconds_per_iter),
+                                    Plan(False, 0)) for o in opts], c0)
+        best = self._search(idle, (0.0,), c0, best)
         prices = (0.0,) if self.bandwidth is None else (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+        best = self._search(opts, prices, c0, best)
+        if not any(p.run for p in best.plans) and any(p.run for o in opts for p in o):
+            # Never park everyone: run each request's plan with the most tokens per iteration.
+            best = self._evaluate([max(o, key=lambda p: p.tokens_per_iter) for o in opts], c0)
+        return best
+
+    def _search(self, opts: list[list[Plan]], prices: tuple[float, ...], c0: float, best: Decision) -> Decision:
+        """The best of `best` and, per link price mu, Dinkelbach's iterations over the per-request
+        choices (each request's plan maximizing tokens - lam * (seconds + mu * link seconds))."""
         for mu in prices:
             lam = 0.0
             for _ in range(20):  # Dinkelbach: lam converges to the best ratio at this link price
                 pick = [max(o, key=lambda p: p.tokens_per_iter - lam * (p.seconds_per_iter + mu * p.link_seconds_per_iter))
                         for o in opts]
                 d = self._evaluate(pick, c0)
-                if best is None or d.throughput > best.throughput * (1 + 1e-9):
+                if d.throughput > best.throughput * (1 + 1e-9):
                     best = d
                 if d.throughput <= lam * (1 + 1e-9):
                     break
                 lam = d.throughput
-        if not any(p.run for p in best.plans) and any(p.run for o in opts for p in o):
-            # Never park everyone: run each request's plan with the most tokens per iteration.
-            best = self._evaluate([max(o, key=lambda p: p.tokens_per_iter) for o in opts], c0)
         return best
 
     @staticmethod
