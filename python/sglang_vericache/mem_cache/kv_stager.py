@@ -46,12 +46,14 @@ class LayerwiseKVStager:
         shape = (depth, max_tokens, p.num_kv_heads)
         self.k_ring = torch.zeros((*shape, p.head_dim), dtype=p.dtype, device=dev)
         self.v_ring = torch.zeros((*shape, p.v_head_dim), dtype=p.dtype, device=dev)
-        # CUDA with the exact pool on the host: gather on the host into pinned bounce buffers, then
-        # one async H2D copy per tensor. An exact pool on the device gathers straight into the ring.
+        # The exact pool on the host and the ring on the device (CUDA): gather on the host into
+        # page-locked bounce buffers, then one non_blocking H2D copy per tensor on the copy stream.
+        # An exact pool where the ring is (a CPU, or the device) gathers straight into the ring.
         self.k_bounce = self.v_bounce = None
-        if transfer_engine.cuda and p.get_key_buffer(0).device.type == "cpu":
-            self.k_bounce = torch.empty(self.k_ring.shape, dtype=p.dtype, pin_memory=True)
-            self.v_bounce = torch.empty(self.v_ring.shape, dtype=p.dtype, pin_memory=True)
+        if p.get_key_buffer(0).device != self.k_ring.device:
+            pin = transfer_engine.stream.pin_memory
+            self.k_bounce = host_buffer(self.k_ring.shape, p.dtype, pin)
+            self.v_bounce = host_buffer(self.v_ring.shape, p.dtype, pin)
         self._active: StagedKV | None = None
         # (start, end) of every wait of the compute thread on a layer still in flight.
         self.stalls: deque[tuple[float, float]] = deque(maxlen=1 << 17)
@@ -105,6 +107,11 @@ class LayerwiseKVStager:
         return copy
 
 
+def host_buffer(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host-side buffer of the link, page-locked where copies from it are asynchronous (CUDA)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
 class StagedKV:
     """One verification's exact KV rows, streamed layer by layer (see LayerwiseKVStager)."""
 
@@ -114,6 +121,7 @@ class StagedKV:
         self.num_tokens = len(slots)
         self.num_layers = stager.num_layers
         self._handles: dict[int, TransferHandle] = {}  # submitted, not yet released
+        self._waited: set[int] = set()  # layers the compute stream was ordered after (layer() called)
         self._next_submit = 0
         self._next_release = 0
 
@@ -135,11 +143,13 @@ class StagedKV:
         h = self._handles.get(layer)
         if h is None:
             raise RuntimeError(f"layer {layer} is not staged (staged now: {sorted(self._handles)})")
-        if not h.done():  # compute stalls on the link: recorded for busy fractions and timelines
-            t0 = time.perf_counter()
+        if layer not in self._waited:
+            # The compute stream waits for the copy's event (a CPU: the copy is done by then).
+            t0, stalled = time.perf_counter(), not h.ready()
             h.wait()
-            self.stager.stalls.append((t0, time.perf_counter()))
-        h.wait()
+            if stalled:  # compute stalled on the link: recorded for busy fractions and timelines
+                self.stager.stalls.append((t0, time.perf_counter()))
+            self._waited.add(layer)
         ring, n = layer % self.stager.depth, self.num_tokens
         return self.stager.k_ring[ring, :n], self.stager.v_ring[ring, :n]
 
@@ -147,7 +157,10 @@ class StagedKV:
         """Done reading layer `layer`: free its ring slot, submit layer + depth. In layer order."""
         if layer != self._next_release or layer not in self._handles:
             raise RuntimeError(f"release({layer}) out of order: next to release is {self._next_release}")
-        self._handles.pop(layer).wait()
+        h = self._handles.pop(layer)
+        if layer not in self._waited:  # never read: still surface its copy's error
+            h.wait()
+        self._waited.discard(layer)
         self._next_release += 1
         if self._next_submit < self.num_layers:
             self._submit(self._next_submit)
