@@ -14,6 +14,13 @@ tokens per round measured here can be far above a real model's; it is reported a
 
     python benchmark/gpu/e2e_8b.py             # GPU -> benchmark/results/gpu_e2e_8b.{json,md}
     python benchmark/gpu/e2e_8b.py --dry-run   # a tiny model on the CPU (TRITON_INTERPRET=1, ~1 min)
+
+--placement: full against vc-auto under a device KV budget that holds PLACEMENT_FITS requests' exact
+KV (full runs that many at a time; vc-auto keeps that much exact KV resident and streams the rest
+over --link-bandwidth, PCIe Gen5's 55 GB/s by default) -> gpu_e2e_8b_placement.{json,md}. The
+host tier's copies run on the side stream with events (mem_cache/copy_stream.py); the exact pool
+itself is still allocated on the device (the pinned host pool is not built), so the link is the
+throttle's emulation of PCIe over device-to-device gathers.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_la
         "rope_scaling": {**LLAMA3_8B["rope_scaling"], "original_max_position_embeddings": 256}}
 # (batch, prompt tokens, new tokens, page size, dtype)
 WORKLOAD = {"gpu": (16, 4096, 256, 16, "bfloat16"), "dry": (3, 40, 8, 8, "float32")}
+PLACEMENT_FITS = {"gpu": 4, "dry": 1}  # --placement: requests whose exact KV the device budget holds
 SNAPKV = {"kv_compressor": "snapkv", "kv_compression_ratio": 4.0}
 MODES = {
     "full": {},
@@ -68,12 +76,27 @@ MODES = {
 }
 
 
-def run_mode(model_dir: str, mode: str, dry: bool) -> dict:
+def placement_args(config: dict, dry: bool, mode: str, link: str) -> dict:
+    """--placement: a device KV budget of PLACEMENT_FITS requests' exact KV (whole pages, one spare);
+    VeriCache streams what does not fit over `link`."""
     bs, prompt_len, new, page, dtype = WORKLOAD["dry" if dry else "gpu"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * (
+        2 if dtype == "bfloat16" else 4)
+    pages = -(-(prompt_len + new) // page) + 1
+    out = {"device_kv_budget": str((PLACEMENT_FITS["dry" if dry else "gpu"] * pages + 1) * page * per_token)}
+    if mode != "full":
+        out["link_bandwidth"] = link
+    return out
+
+
+def run_mode(model_dir: str, mode: str, dry: bool, placement: dict | None = None) -> dict:
+    bs, prompt_len, new, page, dtype = WORKLOAD["dry" if dry else "gpu"]
+    pool = {} if placement and mode == "full" else {"max_total_tokens": bs * (prompt_len + new + 2 * page) + 4096}
     sched = Scheduler(ServerArgs(
         model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
         device="cuda" if HAS_CUDA else "cpu", attention_backend="triton", page_size=page,
-        max_running_requests=bs, max_total_tokens=bs * (prompt_len + new + 2 * page) + 4096,
+        max_running_requests=bs, **pool, **(placement or {}),
         context_length=prompt_len + new + 64, chunked_prefill_size=max(prompt_len, 512), **MODES[mode]))
     runner = sched.model_runner
     if runner.graph_runner is None:  # the CPU: the runner's part through the stand-in graph
@@ -108,6 +131,8 @@ def run_mode(model_dir: str, mode: str, dry: bool) -> dict:
         "tokens_per_round": (accepted + rounds) / rounds if rounds else None,
         "graph_replays": {f"{k[0]}@{k[1]}": v for k, v in runner.graph_runner.replay_counts.items()},
         "graph_failures": [list(map(str, k[:3])) for k in runner.graph_runner.failed],
+        "max_resident": getattr(sched.spec_worker, "max_resident", None),  # adaptive: exact KV on the device
+        "link_bytes": sched.link.engine.bytes_total if sched.link is not None else 0,
     }
 
 
@@ -120,16 +145,23 @@ def write_report(result: dict, prefix: Path) -> None:
         f"# End to end, random-weight {result['model']} ({result['device']})", "",
         f"Made by `benchmark/gpu/e2e_8b.py{' --dry-run' if result['dry_run'] else ''}`; torch {result['torch']}; "
         f"{bs} requests x {prompt_len} prompt + {new} new tokens, greedy, {dtype}, page {page}, snapkv 4x, "
-        "X = 8; triton backend, CUDA graphs; one run per mode.", "",
-        "| mode | output tok/s | vs full | decode tok/s | prefill s | tokens/round | = full | graph replays |",
-        "|---|---|---|---|---|---|---|---|",
+        "X = 8; triton backend, CUDA graphs; one run per mode."
+        + ("" if not result.get("placement") else
+           f" Placement: device KV budget {int(result['placement']['device_kv_budget']) / 1e6:.1f} MB "
+           f"({result['placement_fits']} requests' exact KV), the rest streamed over "
+           f"{result['link_bandwidth']}/s (emulated: the exact pool is on the device)."), "",
+        "| mode | output tok/s | vs full | decode tok/s | prefill s | tokens/round | = full | graph replays |"
+        + (" most resident | link MB |" if result.get("placement") else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if result.get("placement") else ""),
     ]
     for name, r in result["modes"].items():
         dec = f"{r['decode_tok_s']:.1f}"
         tpr = "" if r["tokens_per_round"] is None else f"{r['tokens_per_round']:.2f}"
         same = {True: "yes", False: "**no**", None: "(lossy)"}[r["equals_full"]]
         lines.append(f"| {name} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / full:.2f}x | {dec} | "
-                     f"{r['prefill_s']:.2f} | {tpr} | {same} | {sum(r['graph_replays'].values())} |")
+                     f"{r['prefill_s']:.2f} | {tpr} | {same} | {sum(r['graph_replays'].values())} |"
+                     + (f" {'-' if r['max_resident'] is None else r['max_resident']} | {r['link_bytes'] / 1e6:.1f} |"
+                        if result.get("placement") else ""))
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -137,16 +169,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny model (the CPU path; implied without CUDA)")
     ap.add_argument("--out", type=Path, default=None, help="output prefix (.json/.md are appended)")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="modes to run")
+    ap.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                    help="modes to run (default: all; with --placement: vc-auto); full always runs first")
+    ap.add_argument("--placement", action="store_true",
+                    help="full vs vc-auto under a device KV budget of PLACEMENT_FITS requests' exact KV, the rest "
+                         "on the host tier (see the module help)")
+    ap.add_argument("--link-bandwidth", default="55GB",
+                    help="--placement: the host link VeriCache streams over, bytes/s (default PCIe Gen5's 55GB)")
     args = ap.parse_args(argv)
     dry = args.dry_run or not HAS_CUDA
-    prefix = args.out or (Path("/tmp/gpu_e2e_8b_dryrun") if dry else ROOT / "benchmark/results/gpu_e2e_8b")
+    if args.modes is None:
+        args.modes = ["vc-auto"] if args.placement else list(MODES)
+    name = "gpu_e2e_8b_placement" if args.placement else "gpu_e2e_8b"
+    prefix = args.out or (Path(f"/tmp/{name}_dryrun") if dry else ROOT / "benchmark/results" / name)
     modes = ["full"] + [m for m in args.modes if m != "full"]  # full first: the others compare to it
     with tempfile.TemporaryDirectory() as model_dir:
-        Path(model_dir, "config.json").write_text(json.dumps(TINY if dry else LLAMA3_8B))
+        config = TINY if dry else LLAMA3_8B
+        Path(model_dir, "config.json").write_text(json.dumps(config))
         results, outputs = {}, {}
         for m in modes:
-            r = results[m] = run_mode(model_dir, m, dry)
+            place = placement_args(config, dry, m, args.link_bandwidth) if args.placement else None
+            r = results[m] = run_mode(model_dir, m, dry, place)
+            r["placement"] = place
             outputs[m] = r.pop("outputs")
             r["equals_full"] = None if m == "lossy" else outputs[m] == outputs["full"]
             print(f"{m:10s} {r['output_tok_s']:9.1f} tok/s  decode {r['decode_tok_s']:.1f}  "
@@ -158,6 +202,9 @@ def main(argv=None) -> int:
         "model": "tiny llama (dry run)" if dry else "Llama-3-8B shape", "torch": torch.__version__,
         "dry_run": dry, "workload": WORKLOAD["dry" if dry else "gpu"], "modes": results,
     }
+    if args.placement:
+        result.update(placement=results[modes[-1]]["placement"], placement_fits=PLACEMENT_FITS["dry" if dry else "gpu"],
+                      link_bandwidth=args.link_bandwidth)
     write_report(result, prefix)
     print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
     return 0 if all(r["equals_full"] is not False for r in results.values()) else 1

@@ -32,3 +32,27 @@ def test_dry_run_compares_modes_and_replays_graphs(tmp_path):
     table = (tmp_path / "e2e.md").read_text()
     assert "| full | " in table and "| vericache | " in table and "| yes |" in table
     assert bs == 3
+
+
+DEVICE_RUN = SCRIPT.parent / "device_run.sh"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_placement_dry_run_full_against_vc_auto_under_a_device_budget(tmp_path):
+    """device_run.sh's placement stage (e2e_8b.py --placement) on the CPU: the budget holds one
+    request's exact KV, vc-auto's tokens equal full's, and the script parses with the stage listed."""
+    import subprocess
+
+    assert subprocess.run(["bash", "-n", str(DEVICE_RUN)]).returncode == 0
+    assert "placement) $PY benchmark/gpu/e2e_8b.py --placement" in DEVICE_RUN.read_text()
+    spec = importlib.util.spec_from_file_location("e2e_8b", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dry-run", "--placement", "--out", str(tmp_path / "place")]) == 0
+    result = json.loads((tmp_path / "place.json").read_text())
+    assert list(result["modes"]) == ["full", "vc-auto"] and result["placement_fits"] == 1
+    full, auto = result["modes"]["full"], result["modes"]["vc-auto"]
+    assert auto["equals_full"] is True
+    assert full["placement"]["device_kv_budget"] == auto["placement"]["device_kv_budget"]
+    assert "link_bandwidth" in auto["placement"] and "link_bandwidth" not in full["placement"]
+    assert "| vc-auto | " in (tmp_path / "place.md").read_text()
