@@ -1,6 +1,8 @@
 """Long-context decoding under an accelerator KV budget, every mode in one run.
 
     .venv/bin/python benchmark/bench_long_context.py             # defaults: 16 x (1600 in, 256 out)
+    .venv/bin/python benchmark/bench_long_context.py --sweep     # budgets x links, full / vc-staggered / vc-auto,
+                                                                 # 16 x (1600 in, 96 out), medians of 3
 
 N requests with long code prompts and long outputs; an accelerator KV budget that holds only a
 few requests' exact KV; a host<->accelerator link of a given bandwidth. Modes:
@@ -32,6 +34,11 @@ from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+
+
+OUTPUT_LEN = 256
+SWEEP_OUTPUT_LEN = 96
+SWEEP_MODES = ("full", "vc-staggered", "vc-auto")
 
 
 def long_prompts(tok, model_path: str, n: int, length: int) -> list[list[int]]:
@@ -137,7 +144,9 @@ def main() -> None:
     p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--num-requests", type=int, default=16, help="Requests, all submitted at once.")
     p.add_argument("--input-len", type=int, default=1600, help="Prompt tokens per request.")
-    p.add_argument("--output-len", type=int, default=256, help="New tokens per request.")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"New tokens per request (default {OUTPUT_LEN}; with --sweep {SWEEP_OUTPUT_LEN}, so its "
+                        "medians of 3 fit in ~25 minutes on a quiet 2-core machine).")
     p.add_argument("--device-kv-budget", default=None,
                    help="Accelerator KV memory (default: exact KV of --full-fits requests).")
     p.add_argument("--full-fits", type=float, default=3.0,
@@ -153,9 +162,9 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="Prefill chunk, tokens.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="Compute and KV dtype (auto = the checkpoint's). In bfloat16 a verify pass (many rows) "
-                        "and a decode step (one row) round differently, so greedy outputs can part at "
-                        "near-ties; float32 keeps them identical in practice.")
+                   help="Compute and KV dtype (auto = the checkpoint's). Every mode runs deterministic inference "
+                        "(--enable-deterministic-inference, the two-tier modes' default), so VeriCache's output "
+                        "equals full mode's bitwise in every dtype; the table checks it.")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="Exact KV storage dtype (auto = --dtype); e.g. float32 compute over bfloat16 KV halves "
                         "the bytes each verification moves over the link.")
@@ -163,8 +172,11 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
     p.add_argument("--sweep", action="store_true",
                    help="Device budgets holding 1, 3, 6 and all requests' exact KV x links 200MB and 1GB, modes "
-                        "full, vc-staggered and vc-auto, in one run -> results/long_context_sweep.{json,md}.")
+                        "full (once per budget: it does not use the link), vc-staggered and vc-auto, in one run "
+                        "-> results/long_context_sweep.{json,md}.")
     args = p.parse_args()
+    if args.output_len is None:
+        args.output_len = SWEEP_OUTPUT_LEN if args.sweep else OUTPUT_LEN
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
     prompts = long_prompts(tok, args.model_path, args.num_requests, args.input_len)
@@ -177,12 +189,16 @@ def main() -> None:
     if args.host_kv_budget is None:
         args.host_kv_budget = str(int(1.5 * args.num_requests * (args.input_len + args.output_len + args.page_size)
                                       * per_token))
-    request_bytes = (args.input_len + args.output_len + args.page_size) * per_token
+    # One request's exact KV in whole pages, plus a page of growth; a budget of k requests is k of these plus
+    # the page the pool keeps spare (so k = 1 runs one request to its end).
+    ps = args.page_size
+    request_bytes = ((args.input_len + args.output_len + ps - 1) // ps + 1) * ps * per_token
+    spare_bytes = ps * per_token
     if args.sweep:
-        sweep(args, prompts, request_bytes)
+        sweep(args, prompts, request_bytes, spare_bytes)
         return
     if args.device_kv_budget is None:
-        args.device_kv_budget = str(int(args.full_fits * request_bytes))
+        args.device_kv_budget = str(int(args.full_fits * request_bytes + spare_bytes))
     all_modes = modes(args)
     chosen = {k: v for k, v in all_modes.items() if args.modes is None or k in args.modes}
     runs, rows = measure(args, prompts, chosen)
@@ -215,21 +231,27 @@ def main() -> None:
         print(f"wrote {RESULTS / 'long_context_timeline.png'}")
 
 
-def sweep(args, prompts, request_bytes: float) -> None:
-    """Every (budget, link) point: full, vc-staggered, vc-auto; vc-auto against the best of the others."""
+def sweep(args, prompts, request_bytes: float, spare_bytes: float) -> None:
+    """Every (budget, link) point: full, vc-staggered, vc-auto; vc-auto against the best of the others.
+    Full mode never touches the link: it runs once per budget and stands for both links."""
     points, lines = [], []
+    t0 = time.perf_counter()
     for fits in (1, 3, 6, args.num_requests):
+        args.device_kv_budget, args.full_fits = str(int(fits * request_bytes + spare_bytes)), fits
+        full_runs, _ = measure(args, prompts, {"full": modes(args)["full"]})
         for link in ("200MB", "1GB"):
-            args.device_kv_budget, args.link_bandwidth, args.full_fits = str(int(fits * request_bytes)), link, fits
-            chosen = {k: v for k, v in modes(args).items() if k in ("full", "vc-staggered", "vc-auto")}
-            _, rows = measure(args, prompts, chosen)
+            args.link_bandwidth = link
+            chosen = {k: v for k, v in modes(args).items() if k in SWEEP_MODES and k != "full"}
+            _, rows = measure(args, prompts, chosen, full_runs=full_runs["full"])
             by = {r["mode"]: r for r in rows}
             best = max(by["full"]["tok_s_median"], by["vc-staggered"]["tok_s_median"])
-            points.append({"full_fits": fits, "link": link, "rows": rows,
-                           "auto_vs_best": by["vc-auto"]["tok_s_median"] / best})
+            points.append({"full_fits": fits, "link": link, "device_kv_budget": args.device_kv_budget,
+                           "rows": rows, "auto_vs_best": by["vc-auto"]["tok_s_median"] / best})
+    minutes = (time.perf_counter() - t0) / 60
     lines.append(f"Long-context sweep: {args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new "
-                 f"tokens), {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, dtype {args.dtype}; "
-                 f"median of {args.repeats}; machine: {machine()}\n")
+                 f"tokens), {args.compressor} at {args.ratio:g}x, X={args.draft_tokens}, dtype {args.dtype}, "
+                 f"deterministic inference; median of {args.repeats}; full mode once per budget (it does not use "
+                 f"the link); {minutes:.1f} minutes in all; machine: {machine()}\n")
     lines += ["| device budget (requests' exact KV) | link | full tok/s | vc-staggered vs full | vc-auto vs full | "
               "vc-auto vs best | output = full |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for pt in points:
@@ -238,16 +260,20 @@ def sweep(args, prompts, request_bytes: float) -> None:
         lines.append(f"| {pt['full_fits']} | {pt['link']}/s | {by['full']['tok_s_median']:.1f} | "
                      f"{by['vc-staggered']['ratio_to_full']:.2f}x | {by['vc-auto']['ratio_to_full']:.2f}x | "
                      f"{pt['auto_vs_best']:.2f}x | {'yes' if same else 'NO'} |")
-    write_results("long_context_sweep", {"args": vars(args), "machine": machine(), "points": points},
-                  "\n".join(lines))
+    write_results("long_context_sweep", {"args": vars(args), "machine": machine(), "minutes": minutes,
+                                         "points": points}, "\n".join(lines))
 
 
-def measure(args, prompts, chosen: dict[str, dict]) -> tuple[dict, list[dict]]:
-    """Runs each chosen mode --repeats times (interleaved) -> (runs, rows with medians and ratios)."""
+def measure(args, prompts, chosen: dict[str, dict], full_runs: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """Runs each chosen mode --repeats times (interleaved) -> (runs, rows with medians and ratios).
+    full_runs: full mode's runs measured already (the sweep's, once per budget), reported and compared
+    against as if run here."""
     runs: dict[str, list[dict]] = {k: [] for k in chosen}
     for rep in range(args.repeats):
         for name, server in tqdm(chosen.items(), desc=f"repeat {rep + 1}/{args.repeats}"):
             runs[name].append(run_mode(args, prompts, server))
+    if full_runs is not None:
+        runs = {"full": full_runs, **runs}
     full_out = runs["full"][0]["outputs"] if "full" in runs else None
     med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
     full_step = statistics.median(r["decode_forward_s"] for r in runs["full"]) if "full" in runs else None
