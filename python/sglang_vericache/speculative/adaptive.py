@@ -164,21 +164,23 @@ class AdaptiveVeriCache:
                        mode does; its device room is its exact KV alone), if it fits;
           VeriCache    req's prompt folded into the compressed tier, resident if its exact KV still
                        fits, else on the host tier (the only way when the KV store takes compressed pages);
-        req is admitted the better way if that way runs it and the batch's predicted throughput with
-        it beats the batch's without it (its compressed chunks may push others' exact KV off the
-        device: a host-tier request the controller would park, or one that costs the batch more
-        than it adds, is not admitted: it waits in the queue). Nothing running: always."""
+        req is admitted the better way among those that are admissible: one that keeps req resident
+        to its end (full mode would run it: never refused), or one the controller runs whose
+        predicted batch throughput beats the batch's without req by ADMIT_MARGIN (a host-tier
+        request, whose compressed chunks may also push others' exact KV off the device); else it
+        waits in the queue. Nothing running: always."""
         key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
                self.iteration // REPLAN_EVERY)
         if key != self._admit_key:
             self._admit_key = key
-            best = max((self._predict(req, pending, decode_only) for decode_only in self.admission_ways),
-                       key=lambda x: x[0])
-            runs, decode_only = best[1]
-            if runs and (self.running or pending):
-                without = self._predict(None, pending, False)[0]
-                runs = best[0] > without * (1 + ADMIT_MARGIN)
-            self._admit_answer = (runs, decode_only)
+            without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
+            ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
+            ok = [(tput, d) for (tput, runs, keeps), d in ways
+                  if runs and (keeps or tput > without * (1 + ADMIT_MARGIN))]
+            if ok:
+                self._admit_answer = (True, max(ok)[1])
+            else:  # waits; alone it is admitted anyway, the better way
+                self._admit_answer = (False, max((w[0][0], w[1]) for w in ways)[1])
         admit, decode_only = self._admit_answer
         if not self.running and not pending:
             admit = True  # never leave the server idle
@@ -186,14 +188,14 @@ class AdaptiveVeriCache:
             req.spec.decode_only = decode_only
         return admit
 
-    def _predict(self, req: Req | None, pending: list[Req], decode_only: bool) -> tuple[float, tuple[bool, bool]]:
-        """(predicted tok/s, (runs, decode_only)) with req admitted decode-only or as VeriCache
-        (req None: the running and pending requests alone)."""
+    def _predict(self, req: Req | None, pending: list[Req], decode_only: bool) -> tuple[float, bool, bool]:
+        """(predicted tok/s, whether req runs, whether it and everyone resident before stay resident to
+        their ends) with req admitted decode-only or as VeriCache (req None: the others alone)."""
         ps, chunk = self.page_size, self.two_tier.pool.bytes_per_chunk()
         running = set(id(r) for r in self.running)
         reqs = list(self.running) + list(pending) + ([req] if req is not None else [])
         if not reqs:
-            return 0.0, (False, decode_only)
+            return 0.0, False, False
         lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
         only = [r.spec.decode_only for r in reqs]
         if req is not None:
@@ -210,7 +212,8 @@ class AdaptiveVeriCache:
         if not all(resident):
             resident = residency(sizes, self.placement.free_bytes(drafters, staging=True) - new_comp)
         if req is not None and decode_only and not resident[-1]:
-            return -1.0, (False, True)
+            return -1.0, False, False
+        keeps = req is not None and resident[-1] and all(resident)
         views = []
         for r, n, res, o in zip(reqs, lens, resident, only):
             left = r.sampling_params.max_new_tokens - len(r.output_ids)
@@ -219,7 +222,7 @@ class AdaptiveVeriCache:
             views.append(RequestView(committed=n, resident=res, accept_rate=acc.rate(), comp_keys=comp,
                                      max_draft=min(self.max_draft, max(left - 1, 0)), can_draft=not o))
         d = self.controller.decide(views)
-        return d.throughput, (d.plans[-1].run, decode_only)
+        return d.throughput, d.plans[-1].run, keeps
 
     # ------------------------------------------------------------------ rounds
 
