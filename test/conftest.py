@@ -25,6 +25,10 @@ import torch
 # subset of the suite runs the same in any order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from sglang_vericache.testing.triton_interpreter import install as install_fast_interpreter
+
+    install_fast_interpreter()  # device-function calls skip re-patching (see the module)
 
 SERVER_START_TIMEOUT_S = 180
 DEFAULT_FAMILY = "llama"

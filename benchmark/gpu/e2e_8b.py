@@ -65,6 +65,10 @@ TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_la
 # (batch, prompt tokens, new tokens, page size, dtype)
 WORKLOAD = {"gpu": (16, 4096, 256, 16, "bfloat16"), "dry": (3, 40, 8, 8, "float32")}
 PLACEMENT_FITS = {"gpu": 4, "dry": 1}  # --placement: requests whose exact KV the device budget holds
+# The dry run drafts 2 tokens a round and warms up on 4: every kernel runs under the Triton interpreter
+# (each launch ~1 ms of Python per program), and a random model accepts almost no draft, so a round of X
+# drafts is X + 1 forwards per token there.
+DRY_DRAFT_TOKENS, WARM_NEW_TOKENS = "2", {"gpu": 12, "dry": 4}
 SNAPKV = {"kv_compressor": "snapkv", "kv_compression_ratio": 4.0}
 MODES = {
     "full": {},
@@ -92,12 +96,15 @@ def placement_args(config: dict, dry: bool, mode: str, link: str) -> dict:
 
 def run_mode(model_dir: str, mode: str, dry: bool, placement: dict | None = None) -> dict:
     bs, prompt_len, new, page, dtype = WORKLOAD["dry" if dry else "gpu"]
+    server = dict(MODES[mode])
+    if dry and "speculative_num_draft_tokens" in server:
+        server["speculative_num_draft_tokens"] = DRY_DRAFT_TOKENS
     pool = {} if placement and mode == "full" else {"max_total_tokens": bs * (prompt_len + new + 2 * page) + 4096}
     sched = Scheduler(ServerArgs(
         model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
         device="cuda" if HAS_CUDA else "cpu", attention_backend="triton", page_size=page,
         max_running_requests=bs, **pool, **(placement or {}),
-        context_length=prompt_len + new + 64, chunked_prefill_size=max(prompt_len, 512), **MODES[mode]))
+        context_length=prompt_len + new + 64, chunked_prefill_size=max(prompt_len, 512), **server))
     runner = sched.model_runner
     if runner.graph_runner is None:  # the CPU: the runner's part through the stand-in graph
         runner.graph_runner = CudaGraphRunner(runner, capture_bs=[1, 2, 4], graph_factory=EagerGraph)
@@ -108,7 +115,7 @@ def run_mode(model_dir: str, mode: str, dry: bool, placement: dict | None = None
         return [make_request(f"{tag}{i}", torch.randint(3, vocab, (n_prompt,), generator=g).tolist(),
                              max_new_tokens=n_new, temperature=0.0, ignore_eos=True) for i in range(bs)]
 
-    run_to_completion(sched, batch("warm", 2 * page + 3, 12))  # Triton compiles, graphs captured
+    run_to_completion(sched, batch("warm", 2 * page + 3, WARM_NEW_TOKENS["dry" if dry else "gpu"]))  # Triton compiles, graphs captured
     sync = torch.cuda.synchronize if HAS_CUDA else (lambda: None)
     sync()
     sched.timeline = []  # (start, end, tag) of every forward
@@ -145,7 +152,7 @@ def write_report(result: dict, prefix: Path) -> None:
         f"# End to end, random-weight {result['model']} ({result['device']})", "",
         f"Made by `benchmark/gpu/e2e_8b.py{' --dry-run' if result['dry_run'] else ''}`; torch {result['torch']}; "
         f"{bs} requests x {prompt_len} prompt + {new} new tokens, greedy, {dtype}, page {page}, snapkv 4x, "
-        "X = 8; triton backend, CUDA graphs; one run per mode."
+        f"X = {DRY_DRAFT_TOKENS if result['dry_run'] else 8}; triton backend, CUDA graphs; one run per mode."
         + ("" if not result.get("placement") else
            f" Placement: device KV budget {int(result['placement']['device_kv_budget']) / 1e6:.1f} MB "
            f"({result['placement_fits']} requests' exact KV), the rest streamed over "
