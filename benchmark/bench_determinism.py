@@ -60,13 +60,16 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=64, help="Output tokens per request.")
     p.add_argument("--skip-300m", action="store_true", help="Only the bundled model.")
+    p.add_argument("--only-300m", action="store_true", help="Only the 300M Llama shape (e.g. with more --repeats).")
     p.add_argument("--out", default="determinism", help="Result file stem under benchmark/results.")
     a = p.parse_args()
 
     # (name, path, dtype, load format, vocab, requests, input len, output len)
     tiny = (default_model_path(), a.requests, a.input_len, a.output_len)
-    models = [("vericache-code-tiny", tiny[0], "bfloat16", "auto", 4000, *tiny[1:]),
-              ("vericache-code-tiny", tiny[0], "float32", "auto", 4000, *tiny[1:])]
+    if a.skip_300m and a.only_300m:
+        p.error("--skip-300m and --only-300m leave nothing to run")
+    models = [] if a.only_300m else [("vericache-code-tiny", tiny[0], "bfloat16", "auto", 4000, *tiny[1:]),
+                                     ("vericache-code-tiny", tiny[0], "float32", "auto", 4000, *tiny[1:])]
     if not a.skip_300m:  # a quarter of the tokens: its forwards cost ~40x the bundled model's
         models.append(("llama-300m (dummy)", llama_300m_dir(), "float32", "dummy", 32000,
                        max(1, a.requests // 2), max(16, a.input_len // 4), max(8, a.output_len // 4)))
