@@ -52,7 +52,8 @@ def main() -> None:
     a = p.parse_args()
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    pool = [c.ids for c in code_prompts(tok, a.prompts + 8, 24, 400)]
+    # up to 3 functions per held-out file: one per file gives only 14 prompts
+    pool = [c.ids for c in code_prompts(tok, a.prompts + 8, 24, 400, per_file=3)]
     prompts, crowd = pool[: len(pool) - 8], pool[len(pool) - 8 :]  # the held-out files may give fewer
     rows, report = [], {"machine": machine(), "prompts": len(prompts), "new_tokens": a.new_tokens, "results": []}
     cells = [(d, det) for d in a.dtypes for det in (False, True)]

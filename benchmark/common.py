@@ -54,10 +54,10 @@ class CodePrompt:
 
 
 def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
-                 model_path: str = default_model_path()) -> list[CodePrompt]:
+                 model_path: str = default_model_path(), per_file: int = 1) -> list[CodePrompt]:
     """n prompts of [min_tokens, max_tokens] tokens: the source of a held-out file up to and
     including one of its function headers (signature + docstring), so the model writes the body.
-    One prompt per file, from files in manifest order: deterministic."""
+    Up to per_file prompts per file (its first such functions), files in manifest order: deterministic."""
     prompts = []
     for path in heldout_files(model_path):
         text = path.read_text(errors="replace")
@@ -67,6 +67,7 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
             continue
         lines = text.splitlines(keepends=True)
         nodes = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        taken = 0
         for node in sorted(nodes, key=lambda x: x.lineno):
             if node.decorator_list or len(node.body) < 2 or ast.get_docstring(node, clean=False) is None:
                 continue
@@ -77,7 +78,9 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
             if len(ids) < min_tokens:
                 continue
             prompts.append(CodePrompt(ids[-max_tokens:], "".join(lines[node.lineno - 1 : end]).rstrip("\n")))
-            break
+            taken += 1
+            if taken == per_file or len(prompts) == n:
+                break
         if len(prompts) == n:
             break
     return prompts
