@@ -83,7 +83,13 @@ def compressed_kv(
         at += n
     if total:
         slots = torch.cat(pages)
-        chunk = compressor.compress(0, k[slots].unflatten(0, (total, t)), v[slots].unflatten(0, (total, t)))
+        extra = {}
+        if getattr(compressor, "takes_kept_rows_positions", False) or hasattr(compressor, "stage"):
+            # pre-RoPE quantizers (kvquant, rotatekv; alone or after a dropper) need the tokens' positions
+            extra["positions"] = torch.cat([torch.arange(n * t) for n in num_chunks]).view(total, t)
+        chunk = compressor.compress(
+            0, k[slots].unflatten(0, (total, t)), v[slots].unflatten(0, (total, t)), **extra
+        )
         pool.write(0, ids, chunk)
     starts = torch.tensor(num_chunks) * t
     return {

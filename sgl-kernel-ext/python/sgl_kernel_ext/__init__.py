@@ -5,6 +5,7 @@ Stands alone (torch + triton only): every entry point takes plain tensors in SGL
 
 from sgl_kernel_ext.decode_exact import decode_attention
 from sgl_kernel_ext.decode_merge import merge_partials
+from sgl_kernel_ext.decode_prerope import prerope_decode_attention
 from sgl_kernel_ext.decode_quantized import quantized_decode_attention
 from sgl_kernel_ext.decode_token_drop import token_drop_decode_attention
 from sgl_kernel_ext.fixed_split_attention import fixed_split_attention
@@ -15,6 +16,7 @@ __all__ = [
     "decode_attention",
     "fixed_split_attention",
     "merge_partials",
+    "prerope_decode_attention",
     "quantize_append",
     "quantized_decode_attention",
     "token_drop_decode_attention",

@@ -160,3 +160,61 @@ def kivi_dequant_ref(
     k = kc * t["k_scale"].float().unsqueeze(-3) + t["k_zero"].float().unsqueeze(-3)
     v = vc * t["v_scale"].float()[..., None] + t["v_zero"].float()[..., None]
     return k.flatten(-4, -3), v.flatten(-2, -1)
+
+
+# ---------------------------------------------------------------- pre-RoPE layouts (kvquant, rotatekv)
+
+
+def unpack_bits_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., D*bits/8] uint8 -> [..., D] int64: code d is bits d*bits .. d*bits + bits - 1 of the row's
+    little-endian bit stream (8 codes per `bits` bytes; for 2 / 4 bits the same as unpack_codes)."""
+    stream = ((packed.to(torch.int64)[..., None] >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    return (stream.unflatten(-1, (-1, bits)) << torch.arange(bits, device=packed.device)).sum(-1)
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [NC, T, H, D] float32 rotated (neox halves) at pos [NC, T] or [NC, T, H] by the table cos, sin [P, D]."""
+    p = (pos if pos.dim() == 3 else pos[..., None].expand(x.shape[:-1])).long()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[p] + rot * sin[p]
+
+
+def kvquant_dequant_ref(t: dict, bits: int, cos: torch.Tensor, sin: torch.Tensor):
+    """kvquant chunk tensors [NC, ...] -> float32 (k, v) [NC, T, H, D]: level[code] * scale + zero
+    (keys per channel, values per token), the exact outliers written over it, RoPE on the keys."""
+    out = []
+    for name in ("k", "v"):
+        codes = unpack_bits_ref(t[f"{name}_codes"], bits)  # [NC, T, H, D]
+        nc = codes.shape[0]
+        chunk = torch.arange(nc, device=codes.device)[:, None, None, None]
+        x = t[f"{name}_levels"].float()[chunk, codes]
+        sc, z = t[f"{name}_scale"].float(), t[f"{name}_zero"].float()
+        x = x * sc[:, None] + z[:, None] if name == "k" else x * sc[..., None] + z[..., None]
+        flat = x.reshape(nc, -1).clone()
+        flat.scatter_(1, t[f"{name}_out_idx"].long(), t[f"{name}_out_val"].float())
+        out.append(flat.view(x.shape))
+    return rope_ref(out[0], t["pos"], cos, sin), out[1]
+
+
+def hadamard_ref(n: int) -> torch.Tensor:
+    """Sylvester's orthonormal Hadamard matrix [n, n] (n a power of two), float32."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+def rotatekv_dequant_ref(t: dict, bits: int, cos: torch.Tensor, sin: torch.Tensor, key_heads: int):
+    """rotatekv chunk tensors [NC, ...] -> float32 (k, v) [NC, T, H, D] (D a power of two): min-max codes per
+    group of rotated channels, keys rotated back over key_heads heads' D channels then RoPE'd, values per head."""
+    out = []
+    for name in ("k", "v"):
+        codes = unpack_bits_ref(t[f"{name}_codes"], bits).float()
+        ng = t[f"{name}_scale"].shape[-1]
+        x = codes.unflatten(-1, (ng, -1)) * t[f"{name}_scale"].float()[..., None] + t[f"{name}_zero"].float()[..., None]
+        out.append(x.flatten(-2))
+    k, v = out
+    d = k.shape[-1]
+    k = (k.unflatten(-2, (-1, key_heads)).flatten(-2) @ hadamard_ref(key_heads * d)).unflatten(-1, (key_heads, d))
+    return rope_ref(k.flatten(-3, -2), t["pos"], cos, sin), v @ hadamard_ref(d)
