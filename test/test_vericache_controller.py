@@ -7,6 +7,7 @@ import random
 import pytest
 
 from sglang_vericache.speculative.controller import (
+    FIT_WINDOW,
     Acceptance,
     ForwardSample,
     Plan,
@@ -45,6 +46,23 @@ def test_fit_with_the_true_prior_returns_it():
     for _ in range(50):
         cm.observe(sample(rng, true))
     for got, want in zip(cm.coef, true):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_running_sums_give_the_fit_of_the_window_alone():
+    # Samples leave the window from the running sums; the fit equals one made from the window alone.
+    prior = (1e-2, 1e-5, 1e-7, 1e-7, 1e-8)
+    true = (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
+    rng = random.Random(2)
+    cm = StepCostModel(prior)
+    seen = [sample(rng, tuple(t * (3.0 if i < 200 else 1.0) for t in true)) for i in range(FIT_WINDOW + 150)]
+    for s in seen:
+        cm.observe(s)
+    fresh = StepCostModel(prior)
+    for s in seen[-FIT_WINDOW:]:
+        fresh.observe(s)
+    assert len(cm.samples) == FIT_WINDOW
+    for got, want in zip(cm.coef, fresh.coef):
         assert got == pytest.approx(want, rel=1e-9)
 
 

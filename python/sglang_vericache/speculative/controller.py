@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 PRIOR_WEIGHT = 4.0  # the prior counts as this many forwards of evidence
 MIN_FRACTION = 1e-3  # a fitted coefficient stays at least this fraction of its prior
 FIT_WINDOW = 256  # forwards kept for the fit
+REBUILD_EVERY = FIT_WINDOW  # the fit's running sums are recomputed from the window this often
 PRIOR_ACCEPT = 0.8
 ACCEPT_PRIOR_ROUNDS = 2.0  # the acceptance prior counts as this many rounds
 
@@ -70,6 +71,7 @@ class StepCostModel:
             raise ValueError(f"cost prior must be positive, got {prior}")
         self.prior = tuple(float(p) for p in prior)
         self.samples: deque[ForwardSample] = deque(maxlen=FIT_WINDOW)
+        self._rebuild()
         self.coef = self.prior
 
     @classmethod
@@ -82,20 +84,39 @@ class StepCostModel:
 
     def observe(self, sample: ForwardSample) -> None:
         if sample.seconds > 0 and sample.rows > 0:
+            if len(self.samples) == FIT_WINDOW:
+                self._add(self.samples[0], -1.0)  # leaves the window
             self.samples.append(sample)
+            self._add(sample, 1.0)
+            self._since_rebuild += 1
+            if self._since_rebuild >= REBUILD_EVERY:  # running sums drift: rebuild them exactly
+                self._rebuild()
             self.coef = self._fit()
 
-    def _fit(self) -> tuple[float, ...]:
-        # Work in units of the prior: x_i = c_i / prior_i.
+    def _add(self, s: ForwardSample, sign: float) -> None:
+        """Adds (sign 1) or removes (sign -1) one sample's terms of the normal equations."""
+        f = [fi * pi for fi, pi in zip(s.features(), self.prior)]
+        a, b = self._a, self._b
+        for i, fi in enumerate(f):
+            b[i] += sign * fi * s.seconds
+            row = a[i]
+            for j, fj in enumerate(f):
+                row[j] += sign * fi * fj
+
+    def _rebuild(self) -> None:
         n = len(self.prior)
-        a = [[0.0] * n for _ in range(n)]
-        b = [0.0] * n
+        self._a = [[0.0] * n for _ in range(n)]
+        self._b = [0.0] * n
+        self._since_rebuild = 0
         for s in self.samples:
-            f = [fi * pi for fi, pi in zip(s.features(), self.prior)]
-            for i in range(n):
-                b[i] += f[i] * s.seconds
-                for j in range(n):
-                    a[i][j] += f[i] * f[j]
+            self._add(s, 1.0)
+
+    def _fit(self) -> tuple[float, ...]:
+        # Work in units of the prior: x_i = c_i / prior_i. The normal equations' sums over the window
+        # (self._a, self._b) are kept as samples come and go.
+        n = len(self.prior)
+        a = [row[:] for row in self._a]
+        b = self._b[:]
         # Ridge towards x = 1: each coefficient's prior weighs as much as k forwards of that
         # coefficient's typical feature size, k = PRIOR_WEIGHT at first and fading as forwards
         # are measured (a feature never seen keeps its prior).
