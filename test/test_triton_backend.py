@@ -1,7 +1,8 @@
 """The triton attention backend (sgl-kernel-ext kernels, torch fallback for the rest) gives the torch
 backend's greedy tokens and, forward by forward, its logits: full mode (EXTEND falls back, DECODE on
-the paged decode kernel) and VeriCache (DRAFT_DECODE on the token-drop / quantized kernels with the
-draft-pool rows, TARGET_VERIFY on the verify kernel). Kernels run under TRITON_INTERPRET=1 on CPU.
+the paged decode kernel) and VeriCache (DRAFT_DECODE on the token-drop / quantized / pre-RoPE
+(kvquant, rotatekv, also after a dropper) kernels with the draft-pool rows, TARGET_VERIFY on the
+verify kernel). Kernels run under TRITON_INTERPRET=1 on CPU.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ NEW = 8
 # this random model (|logit| up to ~20) agree to ~3e-5 (measured); 2e-4 leaves room, far below a top-2 gap.
 LOGITS_ATOL = 2e-4
 VERICACHE = dict(speculative_algorithm="VERICACHE", speculative_num_draft_tokens="3", vericache_schedule="lockstep")
-MODES = {"full": {}, **{c: dict(kv_compressor=c, **VERICACHE) for c in ("snapkv", "kivi4")}}
+MODES = {"full": {}, **{c: dict(kv_compressor=c, **VERICACHE) for c in ("snapkv", "kivi4", "kvquant4")}}
 # layer calls of each kernel path a mode must make (the rest: EXTEND on the torch path)
 KERNEL_PATHS = {
     "full": {"decode"}, "snapkv": {"verify", "draft_token_drop"}, "kivi4": {"verify", "draft_quantized"},
+    "kvquant4": {"verify", "draft_prerope"},
 }
 
 
@@ -86,6 +88,47 @@ def test_kernel_paths_carry_their_modes(runs, mode):
     layers = 2
     assert counts["torch"] == layers * sum(m == "EXTEND" for m, _ in forwards)
     assert sum(counts.values()) == layers * len(forwards)
+
+
+@pytest.mark.parametrize("compressor", ["snapkv+kvquant3", "knorm+rotatekv4"])
+def test_composed_draft_step_on_the_prerope_kernel_equals_the_torch_path(llama, compressor, monkeypatch):
+    """DROP+QUANT over pre-RoPE quantizers (each head's kept rows at their own positions): one DRAFT_DECODE
+    step of a ragged batch (0, 1 and 3 compressed pages, previous drafts) takes the pre-RoPE kernel on
+    every layer, and its logits equal the same step on the torch path (the kernel path switched off)."""
+    from sglang_vericache.layers.attention import triton_backend
+    from sglang_vericache.model_executor.model_runner import ModelRunner
+    from sglang_vericache.testing.draft_batches import DraftPool, compress_prefix, make_compressed_pool, \
+        prepare_draft_batch
+    from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
+
+    runner = ModelRunner(ServerArgs(model_path=llama, dtype="float32", page_size=8, attention_backend="triton",
+                                    max_total_tokens=512, max_running_requests=4))
+    gen = torch.Generator().manual_seed(0)
+    lens = [(6, 1), (13, 0), (30, 2)]  # (committed tokens with exact KV, previous drafts)
+    seqs = [torch.randint(3, 400, (n + j + 1,), generator=gen).tolist() for n, j in lens]
+    reqs = [new_req(runner) for _ in seqs]
+    runner.forward(prepare_forward_batch(runner, reqs, [s[:-1] for s in seqs]))
+    cpool = make_compressed_pool(runner, compressor, ratio=2, num_chunks=16, group_size=8)
+    draft = DraftPool(runner, num_slots=16)
+    dreqs = []
+    for req, (n, j) in zip(reqs, lens):
+        req.kv_len = n  # positions n .. n + j - 1 become previous drafts (their exact K/V copied over)
+        d = compress_prefix(runner, cpool, req, n // 8, random_queries=gen)
+        src = runner.req_to_token_pool.req_to_token[req.pool_idx, n : n + j]
+        d.draft_slots = [draft.alloc() for _ in range(j)]
+        for layer in range(runner.model_config.num_hidden_layers):
+            draft.kv.set_kv_buffer(layer, torch.tensor(d.draft_slots, dtype=torch.int64),
+                                   runner.token_to_kv_pool.get_key_buffer(layer)[src],
+                                   runner.token_to_kv_pool.get_value_buffer(layer)[src])
+        dreqs.append(d)
+    fb = prepare_draft_batch(runner, cpool, dreqs, [s[-1] for s in seqs], draft)
+    backend = runner.attn_backend
+    kernel = runner.forward(fb)
+    assert dict(backend.path_counts) == {"torch": 2, "draft_prerope": 2}  # prefill, then the draft step
+    monkeypatch.setattr(triton_backend, "PREROPE_KINDS", ())
+    torch_path = runner.forward(fb)
+    assert backend.path_counts["torch"] == 4
+    torch.testing.assert_close(kernel, torch_path, atol=LOGITS_ATOL, rtol=0)
 
 
 def test_fp8_drafting_falls_back_to_torch_path(llama):

@@ -36,9 +36,11 @@ from sgl_kernel_ext._common import (
     default_splits,
     dot_f32,
     empty_softmax_state,
+    interp_helper,
     load_query_group,
     new_partials,
     online_softmax_block,
+    row_max,
     split_range,
     store_partial,
 )
@@ -51,7 +53,7 @@ KVQUANT_NAMES = ("k_codes", "k_scale", "k_zero", "k_levels", "k_out_val", "k_out
 ROTATEKV_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 
 
-@triton.jit
+@interp_helper
 def _codes(base, row, offs_d, ok, BITS: tl.constexpr, NB: tl.constexpr):
     """int32 [N, D] codes of byte rows `row` [N] (int64) of a [.., NB] uint8 code tensor."""
     bit = (offs_d % 8) * BITS
@@ -64,11 +66,11 @@ def _codes(base, row, offs_d, ok, BITS: tl.constexpr, NB: tl.constexpr):
     return (w >> shift[None, :]) & ((1 << BITS) - 1)
 
 
-@triton.jit
+@interp_helper
 def _lower_bound(idx, cid, target, ok, N_O: tl.constexpr, STEPS: tl.constexpr):
     """[N] first i with idx[cid, i] >= target (N_O if none): a binary search of STEPS halvings over
     each row's chunk's ascending list idx [NC, N_O]."""
-    lo = tl.zeros_like(target)
+    lo = target * 0
     hi = lo + N_O
     for _ in tl.static_range(STEPS):
         mid = (lo + hi) // 2
@@ -80,13 +82,13 @@ def _lower_bound(idx, cid, target, ok, N_O: tl.constexpr, STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit
+@interp_helper
 def _outliers(x, idx, val, cid, base, ok, offs_d, N_O: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr):
     """x [N, D] with the exact outliers of rows whose flat [T, H, D] offsets start at base [N]
     written over it: each row's outliers are one run of its chunk's sorted list, walked in step."""
     lo = _lower_bound(idx, cid, base, ok, N_O, STEPS)
     cnt = tl.where(ok, _lower_bound(idx, cid, base + D, ok, N_O, STEPS) - lo, 0)
-    for j in range(0, tl.max(cnt, axis=0)):
+    for j in range(0, row_max(cnt, 0)):
         live = j < cnt
         at = cid * N_O + lo + j
         i = tl.load(idx + at, mask=live, other=0).to(tl.int32)
@@ -95,7 +97,7 @@ def _outliers(x, idx, val, cid, base, ok, offs_d, N_O: tl.constexpr, STEPS: tl.c
     return x
 
 
-@triton.jit
+@interp_helper
 def _kvquant_rows(codes, scale, zero, levels, out_val, out_idx, cid, t, kvh, ok, offs_d, KEYS: tl.constexpr,
                   BITS: tl.constexpr, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, N_O: tl.constexpr,
                   STEPS: tl.constexpr):
@@ -115,7 +117,7 @@ def _kvquant_rows(codes, scale, zero, levels, out_val, out_idx, cid, t, kvh, ok,
     return x
 
 
-@triton.jit
+@interp_helper
 def _minmax_rows(codes, scale, zero, cid, t, kvh, ok, offs_d, BITS: tl.constexpr, T: tl.constexpr,
                  H: tl.constexpr, D: tl.constexpr, NG: tl.constexpr):
     """float32 [N, D] rotatekv rows (rotated basis): code * scale + zero per group of D / NG channels."""
@@ -126,7 +128,7 @@ def _minmax_rows(codes, scale, zero, cid, t, kvh, ok, offs_d, BITS: tl.constexpr
     return x + tl.load(zero + at, mask=ok[:, None], other=0.0).to(tl.float32)
 
 
-@triton.jit
+@interp_helper
 def _fwht(x, N: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """Unnormalized Walsh-Hadamard butterflies along the D columns of x [N, D] (rotatekv.fwht's order)."""
     for i in tl.static_range(LOG_D):
@@ -136,7 +138,7 @@ def _fwht(x, N: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     return x
 
 
-@triton.jit
+@interp_helper
 def _rope(x, p, cos, sin, offs_d, ok, N: tl.constexpr, D: tl.constexpr):
     """x * cos + rotate_half(x) * sin at positions p [N] (ChunkRope.rotate; rotate_half = [-x2, x1])."""
     at = p[:, None] * D + offs_d[None, :]

@@ -6,8 +6,11 @@ Kernel paths (metadata planned once per forward in init_forward_metadata, shared
 - TARGET_VERIFY over the exact pool: `verify_attention` (T new tokens per request, causal);
 - DRAFT_DECODE, per layer by the compressed layout: token-drop layouts (streamingllm, snapkv,
   pyramidkv, h2o, knorm) -> `token_drop_decode_attention`; int8 / kivi2 / kivi4 ->
-  `quantized_decode_attention` (dequantized in registers). Both read [compressed rows | exact tail |
-  draft-pool rows] in one launch chain; lossy mode (new_kv="exact") has no draft part.
+  `quantized_decode_attention` (dequantized in registers); kvquant2-4 / rotatekv2/4 (pre-RoPE keys) ->
+  `prerope_decode_attention` (dequantized, rotated back and RoPE'd in registers, with the quantizer's
+  own RoPE table). A dropper followed by one of these quantizers (snapkv+kivi4, knorm+kvquant4) takes
+  its quantizer's kernel over the kept rows. All read [compressed rows | exact tail | draft-pool rows]
+  in one launch chain; lossy mode (new_kv="exact") has no draft part.
 
 Explicit fallbacks to the torch path (same results, same code as the `torch` backend):
 - EXTEND (prefill, chunked prefill, prefix-cache extend);
@@ -15,7 +18,7 @@ Explicit fallbacks to the torch path (same results, same code as the `torch` bac
 - DRAFT_DECODE layers whose compressed layout no kernel reads (fp8);
 - models the kernels cannot shape (every mode): head_dim not a power of two >= 16, or a non-float dtype.
 `path_counts` counts the layer calls per path ("decode", "verify", "draft_token_drop",
-"draft_quantized", "torch", "fixed_split"), so a test can check no silent fallback happened.
+"draft_quantized", "draft_prerope", "torch", "fixed_split"), so a test can check no silent fallback happened.
 
 Under --enable-deterministic-inference every attention row goes through one kernel,
 sgl_kernel_ext.fixed_split_attention (chunks of 64 keys at absolute positions, folded in order; its
@@ -48,6 +51,9 @@ if TYPE_CHECKING:
     from sglang_vericache.model_executor.forward_batch import ForwardBatch
 
 QUANTIZED_KINDS = ("int8", "kivi2", "kivi4")  # compressor names the quantized kernel reads
+# quantizer names the pre-RoPE kernel reads (not captured in CUDA graphs: eager forwards; the RoPE
+# table it reads grows with the context)
+PREROPE_KINDS = ("kvquant2", "kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
 BLOCK_N = 64  # the decode kernels' key block (sizes the split counts below)
 
 
@@ -94,6 +100,7 @@ class DraftKernelMetadata:
     draft_table: torch.Tensor | None  # [B, S_d] draft-pool slots in position order (None: lossy)
     draft_lens: torch.Tensor | None  # [B]
     splits: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (Hkv, rows) -> splits
+    rope_tables: dict[int, tuple] = field(default_factory=dict)  # id(pre-RoPE quantizer) -> its cos, sin
 
 
 class TritonAttnBackend(TorchNativeAttnBackend):
@@ -263,8 +270,11 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         """One query per request over [compressed rows | exact tail | draft rows] -> [B, H*D]."""
         ctx, lid = fb.draft_ctx, layer.layer_id
         comp = ctx.compressed_pool
-        layout, name = comp.layouts[lid], getattr(comp.compressor, "name", "")
-        if layout.kind != "token_drop" and name not in QUANTIZED_KINDS:
+        layout, quant = comp.layouts[lid], comp.compressor
+        if hasattr(quant, "stage"):  # DROP+QUANT: this layer's quantizer (of its kept-row count)
+            quant = quant.stage(lid)
+        name = getattr(quant, "name", "")
+        if layout.kind != "token_drop" and name not in QUANTIZED_KINDS + PREROPE_KINDS:
             return self._torch_draft(q, k, v, layer, fb, md, save_kv_cache)  # e.g. fp8 chunks
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         exact = fb.token_to_kv_pool
@@ -289,8 +299,22 @@ class TritonAttnBackend(TorchNativeAttnBackend):
             self.path_counts["draft_token_drop"] += 1
             out = self.kernels.token_drop_decode_attention(
                 q, bufs["k"], bufs["v"], md.chunk_ids, md.num_chunks, *tail, **opts)
-        else:
+        elif name in QUANTIZED_KINDS:
             self.path_counts["draft_quantized"] += 1
             out = self.kernels.quantized_decode_attention(
                 q, name, bufs, md.chunk_ids, md.num_chunks, *tail, **opts)
+        else:
+            self.path_counts["draft_prerope"] += 1
+            out = self.kernels.prerope_decode_attention(
+                q, name, bufs, self._rope_table(quant, comp, md, q.device), md.chunk_ids, md.num_chunks, *tail,
+                key_heads=getattr(quant, "key_heads", 1), **opts)
         return out.reshape(bs, -1)
+
+    @staticmethod
+    def _rope_table(quant, comp, md: DraftKernelMetadata, dev) -> tuple:
+        """The quantizer's float32 cos, sin covering every position the batch's chunks hold (chunk i of a
+        request holds positions below (i + 1) * chunk_size), once per forward."""
+        if id(quant) not in md.rope_tables:
+            bound = max(1, md.max_chunks * comp.compressor.config.chunk_size)
+            md.rope_tables[id(quant)] = quant.rope.table(torch.tensor([bound], device=dev))
+        return md.rope_tables[id(quant)]
