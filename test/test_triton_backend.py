@@ -90,11 +90,13 @@ def test_kernel_paths_carry_their_modes(runs, mode):
     assert sum(counts.values()) == layers * len(forwards)
 
 
-@pytest.mark.parametrize("compressor", ["snapkv+kvquant3", "knorm+rotatekv4"])
-def test_composed_draft_step_on_the_prerope_kernel_equals_the_torch_path(llama, compressor, monkeypatch):
-    """DROP+QUANT over pre-RoPE quantizers (each head's kept rows at their own positions): one DRAFT_DECODE
-    step of a ragged batch (0, 1 and 3 compressed pages, previous drafts) takes the pre-RoPE kernel on
-    every layer, and its logits equal the same step on the torch path (the kernel path switched off)."""
+@pytest.mark.parametrize(("compressor", "path"), [("snapkv+kvquant3", "draft_prerope"),
+                                                   ("knorm+rotatekv4", "draft_prerope"),
+                                                   ("snapkv+kivi4", "draft_quantized")])
+def test_composed_draft_step_on_its_quantizers_kernel_equals_the_torch_path(llama, compressor, path, monkeypatch):
+    """DROP+QUANT (pre-RoPE quantizers: each head's kept rows at their own positions): one DRAFT_DECODE
+    step of a ragged batch (0, 1 and 3 compressed pages, previous drafts) takes its quantizer's kernel on
+    every layer, and its logits equal the same step on the torch path (the kernel paths switched off)."""
     from sglang_vericache.layers.attention import triton_backend
     from sglang_vericache.model_executor.model_runner import ModelRunner
     from sglang_vericache.testing.draft_batches import DraftPool, compress_prefix, make_compressed_pool, \
@@ -124,8 +126,9 @@ def test_composed_draft_step_on_the_prerope_kernel_equals_the_torch_path(llama, 
     fb = prepare_draft_batch(runner, cpool, dreqs, [s[-1] for s in seqs], draft)
     backend = runner.attn_backend
     kernel = runner.forward(fb)
-    assert dict(backend.path_counts) == {"torch": 2, "draft_prerope": 2}  # prefill, then the draft step
+    assert dict(backend.path_counts) == {"torch": 2, path: 2}  # prefill, then the draft step
     monkeypatch.setattr(triton_backend, "PREROPE_KINDS", ())
+    monkeypatch.setattr(triton_backend, "QUANTIZED_KINDS", ())
     torch_path = runner.forward(fb)
     assert backend.path_counts["torch"] == 4
     torch.testing.assert_close(kernel, torch_path, atol=LOGITS_ATOL, rtol=0)
