@@ -93,7 +93,8 @@ def test_kernel_paths_carry_their_modes(runs, mode):
 @pytest.mark.parametrize(("compressor", "path"), [("snapkv+kvquant3", "draft_prerope"),
                                                    ("knorm+rotatekv4", "draft_prerope"),
                                                    ("snapkv+kivi4", "draft_quantized")])
-def test_composed_draft_step_on_its_quantizers_kernel_equals_the_torch_path(llama, compressor, path, monkeypatch):
+def test_composed_draft_step_on_its_quantizers_kernel_equals_the_torch_path(llama, compressor, path,
+                                                                           monkeypatch):
     """DROP+QUANT (pre-RoPE quantizers: each head's kept rows at their own positions): one DRAFT_DECODE
     step of a ragged batch (0, 1 and 3 compressed pages, previous drafts) takes its quantizer's kernel on
     every layer, and its logits equal the same step on the torch path (the kernel paths switched off)."""
@@ -103,8 +104,8 @@ def test_composed_draft_step_on_its_quantizers_kernel_equals_the_torch_path(llam
         prepare_draft_batch
     from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
 
-    runner = ModelRunner(ServerArgs(model_path=llama, dtype="float32", page_size=8, attention_backend="triton",
-                                    max_total_tokens=512, max_running_requests=4))
+    runner = ModelRunner(ServerArgs(model_path=llama, dtype="float32", page_size=8,
+                                    attention_backend="triton", max_total_tokens=512, max_running_requests=4))
     gen = torch.Generator().manual_seed(0)
     lens = [(6, 1), (13, 0), (30, 2)]  # (committed tokens with exact KV, previous drafts)
     seqs = [torch.randint(3, 400, (n + j + 1,), generator=gen).tolist() for n, j in lens]

@@ -67,8 +67,8 @@ def test_ragged_gqa_matches_decompress_reference(kind, gen):
 @pytest.mark.parametrize("kind", ["kvquant4", "rotatekv4"])
 def test_bf16_head_dim_32(kind, gen):
     """bfloat16 model dtype (outlier values stored in it), D = 32, 4 query heads on 1 KV head."""
-    got, want = _run(kind, [13, 9], [3, 1], chunk_size=4, hkv=1, group=4, d=32, dtype=torch.bfloat16, splits=1,
-                     gen=gen, group_size=16, outlier_fraction=0.05)
+    got, want = _run(kind, [13, 9], [3, 1], chunk_size=4, hkv=1, group=4, d=32, dtype=torch.bfloat16,
+                     splits=1, gen=gen, group_size=16, outlier_fraction=0.05)
     torch.testing.assert_close(got, want, atol=ATOL_BF16, rtol=0)
 
 
@@ -76,8 +76,8 @@ def test_bf16_head_dim_32(kind, gen):
 def test_after_a_dropper_per_head_positions(kind, gen):
     """DROP+QUANT: the quantizer's chunk holds each head's kept rows (4 of 8, knorm: its own per head)
     at their own positions [T, H]."""
-    got, want = _run(kind, [20, 17], [2, 1], chunk_size=8, hkv=2, group=2, d=16, dtype=torch.float32, splits=1,
-                     gen=gen, ratio=2.0, group_size=8, outlier_fraction=0.05)
+    got, want = _run(kind, [20, 17], [2, 1], chunk_size=8, hkv=2, group=2, d=16, dtype=torch.float32,
+                     splits=1, gen=gen, ratio=2.0, group_size=8, outlier_fraction=0.05)
     torch.testing.assert_close(got, want, atol=ATOL_F32, rtol=0)
 
 

@@ -190,8 +190,10 @@ def _prerope_part_kernel(
             x = _fwht(x, BLOCK_N, D, LOG_D) * inv_k
             vv = _minmax_rows(vc, vs, vz, cid, t, kvh, ok, offs_d, BITS, T, H, D, NG)
         else:
-            x = _kvquant_rows(kc, ks, kz, kl, kov, koi, cid, t, kvh, ok, offs_d, True, BITS, T, H, D, N_O, STEPS)
-            vv = _kvquant_rows(vc, vs, vz, vl, vov, voi, cid, t, kvh, ok, offs_d, False, BITS, T, H, D, N_O, STEPS)
+            x = _kvquant_rows(kc, ks, kz, kl, kov, koi, cid, t, kvh, ok, offs_d, True, BITS, T, H, D, N_O,
+                              STEPS)
+            vv = _kvquant_rows(vc, vs, vz, vl, vov, voi, cid, t, kvh, ok, offs_d, False, BITS, T, H, D, N_O,
+                               STEPS)
         kv = _rope(x, p, cos, sin, offs_d, ok, BLOCK_N, D)
         m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
     if ROTATE:  # values were attended in the rotated basis: one transform of the output
@@ -238,7 +240,8 @@ def prerope_decode_attention(
     g = check_qkv(q, hkv, d)
     kc = bufs[0]
     nc, t = kc.shape[0], kc.shape[1]
-    assert kc.dtype == torch.uint8 and tuple(kc.shape[2:]) == (hkv, d * bits // 8), f"{kind} codes {list(kc.shape)}"
+    assert kc.dtype == torch.uint8 and tuple(kc.shape[2:]) == (hkv, d * bits // 8), \
+        f"{kind} codes {list(kc.shape)}"
     assert all(x.is_contiguous() for x in (*bufs, pos)), "compressed buffers must be contiguous"
     assert pos.dtype == torch.int32 and tuple(pos.shape) in ((nc, t), (nc, t, hkv)), f"pos {list(pos.shape)}"
     cos, sin = (x.float().contiguous() for x in rope_table)
@@ -253,7 +256,8 @@ def prerope_decode_attention(
         kc, ks, kz, kl, kov, koi, vc, vs, vz, vl, vov, voi = bufs
         n_o, ng, key_heads = kov.shape[-1], 1, 1
         assert tuple(ks.shape) == (nc, hkv, d) and tuple(vs.shape) == (nc, t, hkv), "kvquant scales"
-        assert tuple(kl.shape) == (nc, 1 << bits) and koi.dtype in (torch.int16, torch.int32), "kvquant levels"
+        assert tuple(kl.shape) == (nc, 1 << bits), f"kvquant levels {list(kl.shape)}"
+        assert koi.dtype in (torch.int16, torch.int32), f"kvquant outlier indices {koi.dtype}"
     scale = d**-0.5 if sm_scale is None else sm_scale
     splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * t, BLOCK_N)
     num_parts = splits + num_tail_splits + int(draft_table is not None)
@@ -262,7 +266,8 @@ def prerope_decode_attention(
         q, kc, ks, kz, kl, kov, koi, vc, vs, vz, vl, vov, voi, pos, cos, sin, chunk_ids, num_chunks, o_part,
         lse_part, scale, 1.0 / math.sqrt(key_heads * d), 1.0 / math.sqrt(d), q.stride(0), q.stride(1),
         chunk_ids.stride(0), *o_part.stride()[:3], *lse_part.stride(),
-        ROTATE=rotate, BITS=bits, T=t, H=hkv, NG=ng, N_O=n_o, STEPS=n_o.bit_length(), POS_PER_HEAD=pos.dim() == 3,
+        ROTATE=rotate, BITS=bits, T=t, H=hkv, NG=ng, N_O=n_o, STEPS=n_o.bit_length(),
+        POS_PER_HEAD=pos.dim() == 3,
         KEY_HEADS=key_heads, LOG_KH=key_heads.bit_length() - 1, G=g, NUM_SPLITS=splits, BLOCK_H=block_h(g),
         BLOCK_N=BLOCK_N, D=d, LOG_D=d.bit_length() - 1, DOT_F32=dot_f32(q),
     )

@@ -173,7 +173,8 @@ def unpack_bits_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [NC, T, H, D] float32 rotated (neox halves) at pos [NC, T] or [NC, T, H] by the table cos, sin [P, D]."""
+    """x [NC, T, H, D] float32 rotated (neox halves) at pos [NC, T] or [NC, T, H] by the table cos, sin
+    [P, D]."""
     p = (pos if pos.dim() == 3 else pos[..., None].expand(x.shape[:-1])).long()
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -206,15 +207,18 @@ def hadamard_ref(n: int) -> torch.Tensor:
 
 
 def rotatekv_dequant_ref(t: dict, bits: int, cos: torch.Tensor, sin: torch.Tensor, key_heads: int):
-    """rotatekv chunk tensors [NC, ...] -> float32 (k, v) [NC, T, H, D] (D a power of two): min-max codes per
-    group of rotated channels, keys rotated back over key_heads heads' D channels then RoPE'd, values per head."""
+    """rotatekv chunk tensors [NC, ...] -> float32 (k, v) [NC, T, H, D] (D a power of two): min-max codes
+    per group of rotated channels, keys rotated back over key_heads heads' D channels then RoPE'd,
+    values per head."""
     out = []
     for name in ("k", "v"):
         codes = unpack_bits_ref(t[f"{name}_codes"], bits).float()
         ng = t[f"{name}_scale"].shape[-1]
-        x = codes.unflatten(-1, (ng, -1)) * t[f"{name}_scale"].float()[..., None] + t[f"{name}_zero"].float()[..., None]
+        sc, z = t[f"{name}_scale"].float()[..., None], t[f"{name}_zero"].float()[..., None]
+        x = codes.unflatten(-1, (ng, -1)) * sc + z
         out.append(x.flatten(-2))
     k, v = out
     d = k.shape[-1]
-    k = (k.unflatten(-2, (-1, key_heads)).flatten(-2) @ hadamard_ref(key_heads * d)).unflatten(-1, (key_heads, d))
+    k = k.unflatten(-2, (-1, key_heads)).flatten(-2) @ hadamard_ref(key_heads * d)  # [NC, T, H/g, g*D]
+    k = k.unflatten(-1, (key_heads, d))
     return rope_ref(k.flatten(-3, -2), t["pos"], cos, sin), v @ hadamard_ref(d)

@@ -306,8 +306,8 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         else:
             self.path_counts["draft_prerope"] += 1
             out = self.kernels.prerope_decode_attention(
-                q, name, bufs, self._rope_table(quant, comp, md, q.device), md.chunk_ids, md.num_chunks, *tail,
-                key_heads=getattr(quant, "key_heads", 1), **opts)
+                q, name, bufs, self._rope_table(quant, comp, md, q.device), md.chunk_ids, md.num_chunks,
+                *tail, key_heads=getattr(quant, "key_heads", 1), **opts)
         return out.reshape(bs, -1)
 
     @staticmethod
