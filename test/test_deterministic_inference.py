@@ -84,12 +84,15 @@ def test_alone_equals_under_load_chunked_and_cached(checkpoints, family, dtype):
     assert_identical(alone, [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in again], "cache hit")
 
 
-def test_batch_composition_alone_changes_nothing_with_the_default_chunk(checkpoints):
-    """Among 32 requests with the default chunk size (the case above changes two things at once)."""
+@pytest.mark.parametrize("half_gemm", ["native", "float32"])
+def test_batch_composition_alone_changes_nothing_with_the_default_chunk(checkpoints, half_gemm):
+    """Among 32 requests with the default chunk size (the case above changes two things at once), with
+    torch's bfloat16 products and with float32 ones (layers/half_gemm.py; auto picks one per CPU)."""
     path = checkpoints["llama"]
     prompts = random_prompts(TARGET_LENS, seed=1)
-    alone = outputs(scheduler(path, "bfloat16"), prompts, alone=True)
-    assert_identical(alone, outputs(scheduler(path, "bfloat16"), prompts, crowd=crowd()), "among 32 requests")
+    alone = outputs(scheduler(path, "bfloat16", cpu_half_gemm=half_gemm), prompts, alone=True)
+    assert_identical(alone, outputs(scheduler(path, "bfloat16", cpu_half_gemm=half_gemm), prompts, crowd=crowd()),
+                     "among 32 requests")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

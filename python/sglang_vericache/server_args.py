@@ -107,6 +107,7 @@ class ServerArgs(ServerArgsChecks):
     # Attention.
     attention_backend: str = "torch"
     num_threads: int | None = None
+    cpu_half_gemm: str = "auto"  # layers/half_gemm.py: auto | native | float32
     # CUDA graphs (model_executor/cuda_graph_runner.py): on CUDA with the triton backend.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: min(--max-running-requests, 64)

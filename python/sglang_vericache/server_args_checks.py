@@ -140,6 +140,8 @@ class ServerArgsChecks:
             raise ValueError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_half_gemm not in ("auto", "native", "float32"):
+            raise ValueError(f"--cpu-half-gemm must be auto, native or float32, got {self.cpu_half_gemm!r}")
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend != "torch":

@@ -119,10 +119,11 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
     """The first of MODES that is row-invariant for every distinct linear shape of the model (calls
     never exceed MAX_CALL_ROWS rows, the largest size probed). Answers are remembered per machine in
     _cache_path(): probes of a large model's shapes take seconds."""
-    shapes = {}
+    shapes = {}  # (shape, bias, product dtype) -> (weight, bias) as the products see them (layers/half_gemm.py)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
-            shapes.setdefault((tuple(mod.weight.shape), mod.bias is not None, mod.weight.dtype), mod)
+            w, b = mod.matmul_weights() if hasattr(mod, "matmul_weights") else (mod.weight, mod.bias)
+            shapes.setdefault((tuple(w.shape), b is not None, w.dtype), (w, b))
     path = _cache_path()
     try:
         cache = json.loads(path.read_text())
@@ -130,16 +131,17 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
         cache = {}
     size, machine = len(cache), _machine_key()
 
-    def invariant(mod: torch.nn.Linear, mode: tuple[str, int]) -> bool:
-        key = f"{machine}|{tuple(mod.weight.shape)}|{mod.bias is not None}|{mod.weight.dtype}|{mode}"
+    def invariant(wb: tuple[torch.Tensor, torch.Tensor | None], mode: tuple[str, int]) -> bool:
+        w, b = wb
+        key = f"{machine}|{tuple(w.shape)}|{b is not None}|{w.dtype}|{mode}"
         if key not in cache:
-            cache[key] = _invariant(mod.weight, mod.bias, mode)
+            cache[key] = _invariant(w, b, mode)
         return cache[key]
 
     try:
         with torch.inference_mode():
             for mode in MODES:
-                if all(invariant(mod, mode) for mod in shapes.values()):
+                if all(invariant(wb, mode) for wb in shapes.values()):
                     return mode
                 logger.info("deterministic inference: %s matrix products (%d-row blocks) are not row-invariant "
                             "on this CPU", *mode)

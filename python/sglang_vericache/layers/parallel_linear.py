@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
-from sglang_vericache.layers import batch_invariant
 from sglang_vericache.layers.linear import Linear
 
 
@@ -62,9 +61,5 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        if self.batch_invariant_mode is None:
-            y = torch.nn.functional.linear(x, self.weight)
-        else:
-            y = batch_invariant.linear(x, self.weight, None, self.batch_invariant_mode)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self.matmul(x, with_bias=False))
         return y if self.bias is None else y + self.bias

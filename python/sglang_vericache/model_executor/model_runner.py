@@ -41,10 +41,24 @@ class ModelRunner:
         self.capture_hidden = False  # kvzap's two-tier sets it: captured_q holds attention inputs
         self.model = load_model(
             self.model_config, self.device, server_args.load_format, server_args.random_seed)
+        self.half_gemm_float32 = self.init_half_gemm()
         self.batch_invariant_mode = self.init_deterministic_inference()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.graph_runner = self.init_cuda_graphs()
+
+    def init_half_gemm(self) -> bool:
+        """--cpu-half-gemm: half-precision linear layers through float32 products (layers/half_gemm.py);
+        -> whether they are. Not with the triton backend (its own matmul kernel)."""
+        from sglang_vericache.layers import half_gemm
+
+        args = self.server_args
+        if args.attention_backend == "triton" or not half_gemm.use_float32(self.model, args.cpu_half_gemm, self.device):
+            return False
+        nbytes = half_gemm.enable_float32_gemm(self.model)
+        logger.info("linear layers: %s weights multiplied in float32 (--cpu-half-gemm %s; copies take %.1f MB)",
+                    self.dtype, args.cpu_half_gemm, nbytes / 2**20)
+        return True
 
     def init_deterministic_inference(self) -> tuple[str, int] | None:
         """--enable-deterministic-inference: batch-invariant linear layers and attention (built now, so
