@@ -73,7 +73,7 @@ def run_mode(args, prompts, server: dict):
         device_kv_budget=args.device_kv_budget, max_running_requests=len(prompts),
         verify_staging_tokens=args.staging_tokens, chunked_prefill_size=args.chunked_prefill_size,
         num_threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        enable_deterministic_inference=True, **server))  # the reference output: deterministic full mode
+        cpu_half_gemm=args.cpu_half_gemm, enable_deterministic_inference=True, **server))  # the reference output: deterministic full mode
     reqs = [make_request(f"r{i}", p, max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     sched.timeline = []
@@ -168,6 +168,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="Exact KV storage dtype (auto = --dtype); e.g. float32 compute over bfloat16 KV halves "
                         "the bytes each verification moves over the link.")
+    p.add_argument("--cpu-half-gemm", default="auto", choices=("auto", "native", "float32"),
+                   help="--cpu-half-gemm of every mode: bfloat16 / float16 products native or through float32.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of every mode; medians are reported.")
     p.add_argument("--modes", nargs="+", default=None, help="Subset of modes to run.")
     p.add_argument("--sweep", action="store_true",
