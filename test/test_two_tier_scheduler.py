@@ -143,3 +143,19 @@ def test_compressed_tier_smaller_than_the_workload_queues_instead_of_thrashing(l
     want = run_to_completion(roomy, reqs())
     got = run_to_completion(s, reqs(), max_steps=3000)
     assert {k: v.output_ids for k, v in got.items()} == {k: v.output_ids for k, v in want.items()}
+
+
+def test_a_request_longer_than_the_compressed_tier_is_refused_not_left_waiting(llama):
+    # A fixed schedule folds every whole page of a request into the compressed tier; one that could
+    # never fit it alone used to wait in the queue forever (nothing running, nothing admissible).
+    s = sched(llama, kv_compressor="snapkv", speculative_algorithm="VERICACHE", device_kv_budget="470KB",
+              host_kv_budget="4MB", vericache_schedule="staggered", link_bandwidth="1GB", verify_staging_tokens=512,
+              speculative_num_draft_tokens="4")
+    chunks = s.two_tier.pool.num_chunks
+    assert 8 <= chunks < s.context_len // PS - 2  # the tier, not the context, limits a request here
+    longest = (chunks + 1) * PS - 1
+    assert s.max_req_len == longest < s.max_total_num_tokens - PS
+    err = s.handle_message(make_request("long", ids(longest - 3, 1), max_new_tokens=4))
+    assert err is not None and err.status_code == 400 and f"more than the {longest} tokens" in err.message
+    res = run_to_completion(s, [make_request("fits", ids(longest - 4, 2), max_new_tokens=4, ignore_eos=True)])
+    assert len(res["fits"].output_ids) == 4

@@ -9,11 +9,17 @@ from sglang_vericache.managers.io_struct import SchedulerReady
 class SchedulerInfoMixin:
     @property
     def max_req_len(self) -> int:
-        """Longest prompt + output one request may reach: the context, the pool less a page, and
-        (when exact KV streams over a link) what one verification may stage."""
+        """Longest prompt + output one request may reach: the context, the pool less a page,
+        (when exact KV streams over a link) what one verification may stage, and (two-tier modes with
+        a fixed schedule) what the compressed tier holds for one request alone (its whole pages fold
+        into it: TwoTierKV.can_admit / fold). Adaptive VeriCache admits a request too long for the
+        compressed tier decode-only, so it is not limited by it."""
         limit = min(self.context_len, self.max_total_num_tokens - self.page_size)
         if self.server_args.uses_link:
             limit = min(limit, self.server_args.verify_staging_tokens)
+        tt = self.two_tier
+        if tt is not None and not self.server_args.adaptive:
+            limit = min(limit, (tt.pool.num_chunks + 1) * self.page_size - 1)
         return limit
 
     def ready_message(self) -> SchedulerReady:
