@@ -66,6 +66,36 @@ def test_running_sums_give_the_fit_of_the_window_alone():
         assert got == pytest.approx(want, rel=1e-9)
 
 
+def test_prefill_anchors_separate_row_cost_from_exact_key_cost():
+    # Decode forwards alone: every row reads ~its context of exact keys, so rows and exact keys are
+    # collinear and a draft forward (rows, no exact keys) is mispredicted; prefill anchors fix that.
+    true = (20e-3, 0.5e-3, 4e-6, 1e-6, 1e-9)
+    prior = (0.2, 5e-3, 4e-5, 1e-6, 1e-8)  # 10x, except c_comp: no forward here reads compressed keys
+    rng = random.Random(3)
+
+    def fwd(rows, exact, comp, key_rows):
+        seconds = true[0] + sum(t * f for t, f in zip(true[1:], (rows, exact, comp, key_rows)))
+        return ForwardSample(rows, exact, comp, key_rows, seconds)
+
+    decodes = []
+    for _ in range(200):
+        lens = [rng.randint(1600, 1800) for _ in range(rng.randint(2, 5))]
+        decodes.append(fwd(len(lens), sum(lens), 0, sum(lens)))
+    draft = (16, 0, 16 * 400, 16 * 400)  # 16 draft rows over 400 compressed keys each
+    want = true[0] + sum(t * f for t, f in zip(true[1:], draft))
+    alone, anchored = StepCostModel(prior), StepCostModel(prior)
+    for s in decodes:
+        alone.observe(s)
+        anchored.observe(s)
+    for prefix in (0, 2048):
+        n = 2048
+        anchored.observe_anchor(fwd(n, prefix + n, 0, n * prefix + n * (n + 1) // 2))
+    assert alone.coef[1] < 0.1 * true[1]  # decodes alone: the row cost went into the exact keys
+    assert anchored.coef[1] == pytest.approx(true[1], rel=0.05)
+    assert anchored.coef[2] == pytest.approx(true[2], rel=0.05)
+    assert anchored.seconds(*draft) == pytest.approx(want, rel=0.05)
+
+
 def test_fit_moves_from_a_wrong_prior_to_the_measurements():
     true = (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
     cm = StepCostModel((1e-2, 1e-5, 1e-7, 1e-7, 1e-8))

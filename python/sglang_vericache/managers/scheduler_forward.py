@@ -51,7 +51,11 @@ class SchedulerForwardMixin:
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
         if self.two_tier is not None and self.two_tier.needs_queries:
             fb.captured_q = {}
+        t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
+        if hasattr(self.spec_worker, "observe_prefill"):  # adaptive VeriCache's cost fit
+            self.spec_worker.observe_prefill([(req.kv_committed_len, n) for req, n in batch],
+                                             time.perf_counter() - t0)
 
         to_sample = []
         token_row = 0

@@ -332,6 +332,14 @@ class AdaptiveVeriCache:
             total += b - a
         return total
 
+    def observe_prefill(self, spans: list[tuple[int, int]], seconds: float) -> None:
+        """A prefill (EXTEND) forward as a cost anchor: spans are (prefix length, rows) per request;
+        its rows read the exact keys before them and their own (StepCostModel's docstring)."""
+        rows = sum(n for _, n in spans)
+        exact = sum(s + n for s, n in spans)
+        key_rows = sum(n * s + n * (n + 1) // 2 for s, n in spans)
+        self.controller.cost.observe_anchor(ForwardSample(rows, exact, 0, key_rows, seconds))
+
     def observe(self, n_drafting: int, comp: int, draft_keys: int, verifiers: list[tuple[int, int]],
                 seconds: float) -> None:
         """One forward's features (drafting rows; (drafts, committed) per verifier) and seconds."""
