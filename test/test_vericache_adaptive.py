@@ -41,9 +41,7 @@ def scheduler(path, coef=None, **server) -> Scheduler:
     sched = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", skip_tokenizer_init=True, page_size=PAGE,
                                  enable_deterministic_inference=True, max_running_requests=8, **server))
     if coef is not None:
-        cost = sched.spec_worker.controller.cost
-        cost.coef = coef
-        cost.observe = lambda sample: None
+        sched.spec_worker.controller.cost.pin(coef)
     return sched
 
 

@@ -201,3 +201,11 @@ def test_with_resident_requests_host_rounds_that_stall_the_batch_wait():
     d = ctl.decide(views)
     assert [p.run for p in d.plans] == [True, False, False, False]
     assert d.throughput >= full_mode_floor(ctl, views)
+
+
+def test_pinned_costs_ignore_forwards():
+    cm = StepCostModel((1e-2, 1e-5, 1e-7, 1e-7, 1e-8))
+    cm.pin((2e-3, 1e-4, 2e-8, 5e-9, 1e-9))
+    cm.observe(ForwardSample(4, 6400, 0, 6400, 0.5))
+    cm.observe_anchor(ForwardSample(2048, 2048, 0, 2048 * 2049 // 2, 3.0))
+    assert cm.coef == (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)

@@ -137,8 +137,7 @@ def vericache(path, schedule, **extra):
     sched = scheduler(path, kv_compressor="int8", speculative_algorithm="VERICACHE",
                       speculative_num_draft_tokens="6", vericache_schedule=schedule, **extra)
     if schedule == "adaptive":
-        cost = sched.spec_worker.controller.cost
-        cost.coef, cost.observe = ROUNDS_WIN, lambda sample: None
+        sched.spec_worker.controller.cost.pin(ROUNDS_WIN)
     return sched
 
 

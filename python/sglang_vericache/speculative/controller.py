@@ -81,6 +81,7 @@ class StepCostModel:
         self.prior = tuple(float(p) for p in prior)
         self.samples: deque[ForwardSample] = deque(maxlen=FIT_WINDOW)
         self.anchors: deque[ForwardSample] = deque(maxlen=ANCHOR_WINDOW)
+        self.pinned = False
         self._rebuild()
         self.coef = self.prior
 
@@ -92,14 +93,18 @@ class StepCostModel:
         return cls((weight_bytes / mem_bandwidth, matmul_flops_per_row / flops, kv_bytes_per_token / mem_bandwidth,
                     comp_bytes_per_token / mem_bandwidth, qk_flops_per_key / flops))
 
+    def pin(self, coef: tuple[float, ...]) -> None:
+        """Fixes the coefficients: forwards observed from now on change nothing (tests, benchmarks)."""
+        self.coef, self.pinned = tuple(coef), True
+
     def observe_anchor(self, sample: ForwardSample) -> None:
         """A prefill forward (see the class docstring)."""
-        if sample.seconds > 0 and sample.rows > 0:
+        if sample.seconds > 0 and sample.rows > 0 and not self.pinned:
             self.anchors.append(sample)
             self.coef = self._fit()
 
     def observe(self, sample: ForwardSample) -> None:
-        if sample.seconds > 0 and sample.rows > 0:
+        if sample.seconds > 0 and sample.rows > 0 and not self.pinned:
             if len(self.samples) == FIT_WINDOW:
                 self._add(self.samples[0], -1.0)  # leaves the window
             self.samples.append(sample)
