@@ -54,8 +54,7 @@ class SchedulerForwardMixin:
         t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
         if hasattr(self.spec_worker, "observe_prefill"):  # adaptive VeriCache's cost fit
-            self.spec_worker.observe_prefill([(req.kv_committed_len, n) for req, n in batch],
-                                             time.perf_counter() - t0)
+            self.spec_worker.observe_prefill([(start, n) for _, start, n, *_ in plan], time.perf_counter() - t0)
 
         to_sample = []
         token_row = 0
