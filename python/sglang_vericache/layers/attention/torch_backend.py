@@ -175,8 +175,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_index = req_to_token[fb.req_pool_indices[rows], :max_s]
         in_range = torch.arange(max_s, device=dev)[None, :] < seq_lens[:, None]
         kv_index = torch.where(in_range, kv_index, torch.zeros_like(kv_index))
-        if fb.forward_mode.is_decode() and min(seq_cpu) == max_s:
-            allowed = None  # every request sees all max_s keys
+        if max_q == 1 and min(seq_cpu) == max_s:
+            allowed = None  # one row per request, every request sees all max_s keys (a decode step)
         else:
             allowed = _causal_mask(fb.extend_prefix_lens[rows].to(dev), seq_lens, max_q, max_s)
         q_index = out_index = None
