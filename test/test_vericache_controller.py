@@ -8,6 +8,7 @@ import pytest
 
 from sglang_vericache.speculative.controller import (
     FIT_WINDOW,
+    MIN_MEASURED,
     Acceptance,
     ForwardSample,
     Plan,
@@ -70,7 +71,9 @@ def test_prefill_anchors_separate_row_cost_from_exact_key_cost():
     # Decode forwards alone: every row reads ~its context of exact keys, so rows and exact keys are
     # collinear and a draft forward (rows, no exact keys) is mispredicted; prefill anchors fix that.
     true = (20e-3, 0.5e-3, 4e-6, 1e-6, 1e-9)
-    prior = (0.2, 5e-3, 4e-5, 1e-6, 1e-8)  # 10x, except c_comp: no forward here reads compressed keys
+    # 10x everywhere (one bandwidth, one flop rate: as from_sizes makes it). No forward here reads
+    # compressed keys: c_comp follows the fitted c_exact at the prior's ratio.
+    prior = (0.2, 5e-3, 4e-5, 1e-5, 1e-8)
     rng = random.Random(3)
 
     def fwd(rows, exact, comp, key_rows):
@@ -93,7 +96,24 @@ def test_prefill_anchors_separate_row_cost_from_exact_key_cost():
     assert alone.coef[1] < 0.1 * true[1]  # decodes alone: the row cost went into the exact keys
     assert anchored.coef[1] == pytest.approx(true[1], rel=0.05)
     assert anchored.coef[2] == pytest.approx(true[2], rel=0.05)
+    assert anchored.coef[3] == pytest.approx(true[3], rel=0.05)
     assert anchored.seconds(*draft) == pytest.approx(want, rel=0.05)
+
+
+def test_unmeasured_compressed_reads_follow_the_exact_ones_and_the_fit_is_measured_after_decodes():
+    prior = (1e-2, 1e-4, 1e-7, 2.5e-8, 1e-9)  # a compressed key: a quarter of an exact key's bytes
+    cm = StepCostModel(prior)
+    assert not cm.measured
+    for i in range(MIN_MEASURED):
+        n = 1600 + 8 * i
+        # Exact reads cost 5x the prior, everything else as the prior says.
+        cm.observe(ForwardSample(4, 4 * n, 0, 4 * n, 1e-2 + 4e-4 + 4 * n * (5e-7 + 1e-9)))
+        assert cm.measured == (i == MIN_MEASURED - 1)
+    assert cm.coef[2] > 1.5 * prior[2]  # (8 collinear decodes: c_exact and c_qk share the excess)
+    assert cm.coef[3] / cm.coef[2] == pytest.approx(prior[3] / prior[2], rel=1e-6)
+    pinned = StepCostModel(prior)
+    pinned.pin(prior)
+    assert pinned.measured
 
 
 def test_fit_moves_from_a_wrong_prior_to_the_measurements():

@@ -47,6 +47,10 @@ MIN_FRACTION = 1e-3  # a fitted coefficient stays at least this fraction of its 
 FIT_WINDOW = 256  # forwards kept for the fit
 ANCHOR_WINDOW = 16  # prefill forwards kept for the fit besides them (anchors, see StepCostModel)
 REBUILD_EVERY = FIT_WINDOW  # the fit's running sums are recomputed from the window this often
+# Forwards of decode-time batches (not anchors) after which the fit is "measured": before that, the
+# coefficients of KV reads come from the prior alone and decide nothing full mode would not do.
+MIN_MEASURED = 8
+EXACT, COMP = 2, 3  # indices of c_exact and c_comp in a coefficient tuple
 PRIOR_ACCEPT = 0.8
 ACCEPT_PRIOR_ROUNDS = 2.0  # the acceptance prior counts as this many rounds
 
@@ -73,7 +77,11 @@ class StepCostModel:
     together and c_row cannot be told from c_exact; a fit to decodes alone then charges a draft row
     (no exact keys) for attention it does not do (measured: a 16-row draft forward predicted 59 ms,
     28 ms measured). Prefill forwards (thousands of rows, keys per row from 1 to the context) separate
-    them, and are rare, so they are kept apart from the window's decodes."""
+    them, and are rare, so they are kept apart from the window's decodes.
+
+    Until compressed keys are read (no draft forward measured), c_comp follows c_exact scaled by
+    bytes (the prior's ratio): the ridge pulls c_comp / prior_comp towards c_exact / prior_exact,
+    not towards 1, so a machine whose exact reads cost 5x the prior is not thought to draft for free."""
 
     def __init__(self, prior: tuple[float, ...]):
         if any(p <= 0 for p in prior):
@@ -96,6 +104,11 @@ class StepCostModel:
     def pin(self, coef: tuple[float, ...]) -> None:
         """Fixes the coefficients: forwards observed from now on change nothing (tests, benchmarks)."""
         self.coef, self.pinned = tuple(coef), True
+
+    @property
+    def measured(self) -> bool:
+        """Whether the coefficients rest on MIN_MEASURED decode-time forwards (or are pinned)."""
+        return self.pinned or len(self.samples) >= MIN_MEASURED
 
     def observe_anchor(self, sample: ForwardSample) -> None:
         """A prefill forward (see the class docstring)."""
@@ -136,14 +149,20 @@ class StepCostModel:
             _accumulate(a, b, s, self.prior, 1.0)
         # Ridge towards x = 1: each coefficient's prior weighs as much as k forwards of that
         # coefficient's typical feature size, k = PRIOR_WEIGHT at first and fading as forwards
-        # are measured (a feature never seen keeps its prior).
+        # are measured (a feature never seen keeps its prior; c_comp: see the class docstring).
         seen = len(self.samples) + len(self.anchors)
         count = max(seen, 1)
         k = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + seen)
         for i in range(n):
+            if i == COMP:
+                continue
             lam = k * max(a[i][i] / count, 1e-30)
             a[i][i] += lam
             b[i] += lam
+        # c_comp's ridge: towards c_exact in units of the prior (the class docstring).
+        lam = k * max(a[COMP][COMP] / count, a[EXACT][EXACT] / count, 1e-30)
+        for i, j, v in ((COMP, COMP, lam), (EXACT, EXACT, lam), (COMP, EXACT, -lam), (EXACT, COMP, -lam)):
+            a[i][j] += v
         x = _solve(a, b)
         # No coefficient falls below MIN_FRACTION of its prior: a cost never fits to zero (or to
         # NaN from a degenerate window), so every plan keeps a positive, comparable price.
