@@ -168,16 +168,30 @@ class AdaptiveVeriCache:
         to its end (full mode would run it: never refused), or one the controller runs whose
         predicted batch throughput beats the batch's without req by ADMIT_MARGIN (a host-tier
         request, whose compressed chunks may also push others' exact KV off the device); else it
-        waits in the queue. Nothing running: always."""
+        waits in the queue. "Beats the batch without req" means beats the better of that and full
+        mode's batch (_full_reference): a running set of host-tier rounds that predicts less than the
+        same requests decoding resident as full mode would hold them takes no more. VeriCache is preferred to decode-only only if it beats it by ADMIT_MARGIN
+        (its prompt's fold is paid whether or not rounds follow). Nothing running: always.
+
+        Before the cost model is measured (StepCostModel.measured: requests arriving together are
+        admitted during the first prefills, before any decode forward), predictions rest on the
+        prior's KV-read costs, and a wrong guess is not undone (the folds are paid, host-tier
+        requests hold compressed chunks on the device): then only ways that keep req and everyone
+        resident are admissible, decode-only first (full mode's schedule); the rest wait the few
+        forwards it takes to measure."""
         key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
-               self.iteration // REPLAN_EVERY)
+               self.iteration // REPLAN_EVERY, self.controller.cost.measured)
         if key != self._admit_key:
             self._admit_key = key
+            measured = self.controller.cost.measured
             without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
             ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
-            ok = [(tput, d) for (tput, runs, keeps), d in ways
-                  if runs and (keeps or tput > without * (1 + ADMIT_MARGIN))]
-            if ok:
+            floor = max(without, self._full_reference(req, pending)) if measured else 0.0
+            ok = [(tput * (1 + ADMIT_MARGIN if d else 1), d) for (tput, runs, keeps), d in ways
+                  if runs and keeps or (measured and runs and tput > floor * (1 + ADMIT_MARGIN))]
+            if ok and not measured:
+                self._admit_answer = (True, max(d for _, d in ok))
+            elif ok:
                 self._admit_answer = (True, max(ok)[1])
             else:  # waits; alone it is admitted anyway, the better way
                 self._admit_answer = (False, max((w[0][0], w[1]) for w in ways)[1])
@@ -223,6 +237,21 @@ class AdaptiveVeriCache:
                                      max_draft=min(self.max_draft, max(left - 1, 0)), can_draft=not o))
         d = self.controller.decide(views)
         return d.throughput, d.plans[-1].run, keeps
+
+    def _full_reference(self, req: Req, pending: list[Req]) -> float:
+        """Predicted tok/s of full mode's batch of the running requests, `pending` and req: each
+        decoding, resident in admission order while their exact KV alone (at its end) fits the
+        device budget; the rest wait in the queue."""
+        running = set(id(r) for r in self.running)
+        reqs = list(self.running) + list(pending) + [req]
+        lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
+        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
+        budget = self.placement.device_bytes
+        fits = residency([self.placement.exact_bytes(f) for f in final],
+                         float("inf") if budget is None else budget)
+        views = [RequestView(committed=n, resident=True, accept_rate=0.0, comp_keys=0, max_draft=0, can_draft=False)
+                 for n, f in zip(lens, fits) if f]
+        return self.controller.decide(views).throughput if views else 0.0
 
     # ------------------------------------------------------------------ rounds
 
