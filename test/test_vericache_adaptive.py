@@ -144,3 +144,22 @@ def test_a_request_whose_compressed_tier_would_push_a_decoding_one_off_the_devic
     assert worker.placement.stats["demotions"] == 0
     assert sched.link.engine.bytes_total == 0
     assert worker.max_resident == 1
+
+
+def test_requests_arriving_before_any_decode_is_measured_are_admitted_as_full_mode_would(llama, reference):
+    """A prior under which rounds win, not pinned (it fits as served), a device budget that holds
+    everyone: all six requests are admitted during the first prefills, before the fit has measured a
+    decode-time forward (StepCostModel.measured), so each is admitted decode-only (no fold, no
+    compressed chunk, no round) as full mode runs it, whatever the prior says."""
+    batch, greedy, _ = reference
+    sched = scheduler(llama, **VC)
+    sched.spec_worker.controller.cost = StepCostModel(ROUNDS_WIN)
+    folded = []
+    fold = sched.two_tier.fold
+    sched.two_tier.fold = lambda req: (folded.append((req.rid, req.spec.decode_only)), fold(req))[1]
+    assert not sched.spec_worker.controller.cost.measured
+    assert_same(greedy, run(sched, batch))
+    assert {rid for rid, _ in folded} == {f"r{i}" for i in range(len(batch))}
+    assert all(decode_only for _, decode_only in folded)
+    assert sched.metrics.spec_rounds_total == 0
+    assert sched.spec_worker.controller.cost.measured
