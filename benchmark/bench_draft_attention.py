@@ -2,9 +2,13 @@
 
     .venv/bin/python benchmark/bench_draft_attention.py       # fp32 and bf16, 1 and 2 threads, every compressor
     .venv/bin/python benchmark/bench_draft_attention.py --dtypes float32 --threads 1 --compressors kivi4 --no-write
+    # the bundled model at the long-context setting (batch 16, context 1600, page 32):
+    .venv/bin/python benchmark/bench_draft_attention.py --model-path bundled --dtypes bfloat16 --threads 2
+        --page-size 32 --no-torch-path --out draft_attention_bundled
 
-A random llama (hidden 512, 8 query / 2 KV heads of 64, 4 layers) on the torch backend. Every
-request has `--context` tokens of exact KV; its drafting twin compresses all its whole pages
+A random llama (hidden 512, 8 query / 2 KV heads of 64, 4 layers), or --model-path's model (`bundled`:
+the bundled code model), on the torch backend. Every request has `--context` tokens of exact KV; its
+drafting twin compresses all its whole pages
 (query-scored compressors score with random queries: arbitrary rows kept, the real layout). Modes,
 timed interleaved, `--steps` in a row (the draft depth grows 1..steps), `--repeats` times:
 - DECODE: full mode's decode step (SDPA over the gathered exact KV);
@@ -32,7 +36,7 @@ from common import machine, write_results
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, default_model_path
 from sglang_vericache.testing import make_random_checkpoint
 from sglang_vericache.testing.draft_batches import (
     DraftPool,
@@ -85,7 +89,8 @@ def run_setting(args, dtype: str, threads: int) -> dict:
     load_before = os.getloadavg()[0]
     torch.set_num_threads(threads)
     bs, ctx, ps = args.batch, args.context, args.page_size
-    path = make_random_checkpoint("llama", tempfile.mkdtemp(prefix="bench-draft-"), **MODEL)
+    path = args.model_path or make_random_checkpoint("llama", tempfile.mkdtemp(prefix="bench-draft-"), **MODEL)
+    path = default_model_path() if path == "bundled" else path
     total = (bs * 2 * (ctx + args.steps * args.repeats + ps) // ps + 4) * ps
     runner = ModelRunner(ServerArgs(model_path=path, dtype=dtype, page_size=ps, max_total_tokens=total,
                                     max_running_requests=2 * bs, num_threads=threads))
@@ -132,8 +137,9 @@ def run_setting(args, dtype: str, threads: int) -> dict:
 def table(results: dict, args) -> str:
     lines = [
         f"DRAFT_DECODE vs DECODE: batch {args.batch}, context {args.context} (+{args.steps} draft steps), "
-        f"page {args.page_size}, token-drop ratio {args.ratio:g}, random llama (hidden 512, 8 q / 2 KV heads "
-        f"of 64, 4 layers); median over {args.repeats} repeats of each repeat's median over {args.steps} steps",
+        f"page {args.page_size}, token-drop ratio {args.ratio:g}, "
+        + (args.model_path or "random llama (hidden 512, 8 q / 2 KV heads of 64, 4 layers)")
+        + f"; median over {args.repeats} repeats of each repeat's median over {args.steps} steps",
         f"machine: {machine(threads=False)}",
         "",
         "`step`: the whole forward (model + attention); `attn`: metadata + every layer's attention. "
@@ -167,15 +173,19 @@ def table(results: dict, args) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--context", type=int, default=1600)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--model-path", default=None,
+                   help="Model folder, or `bundled` (the bundled code model, the long-context benchmark's); "
+                        "default: a random llama (hidden 512, 4 layers).")
+    p.add_argument("--batch", type=int, default=16, help="Requests per forward (each drafts or decodes one row).")
+    p.add_argument("--context", type=int, default=1600, help="Exact KV tokens per request.")
+    p.add_argument("--page-size", type=int, default=16, help="KV page = compression chunk, tokens.")
     p.add_argument("--ratio", type=float, default=4, help="Token-drop ratio (quantizers have their own).")
-    p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES))
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES), help="Compressors to time.")
+    p.add_argument("--steps", type=int, default=8, help="Timed steps in a row per repeat (draft depth 1..steps).")
+    p.add_argument("--repeats", type=int, default=3, help="Repeats; the median over them is reported.")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts to run.")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="Model dtypes to run.")
+    p.add_argument("--out", default="draft_attention", help="Results name: benchmark/results/OUT.{json,md}.")
     p.add_argument("--no-torch-path", action="store_true", help="Time drafts through the fused kernel only.")
     p.add_argument("--no-write", action="store_true", help="Print only; do not write benchmark/results.")
     args = p.parse_args()
@@ -191,7 +201,7 @@ def main() -> None:
         print(text)
         return
     report = {"machine": machine(threads=False), "args": {k: v for k, v in vars(args).items()}, "results": results}
-    write_results("draft_attention", report, text)
+    write_results(args.out, report, text)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,10 @@ def main() -> None:
         f"staging {args.staging_tokens} rows, dtype {args.dtype}, KV dtype {args.kv_cache_dtype}; median of {args.repeats}; machine: {machine()}\n"
     )
     lines = [header, "`draft step / full step`: a VeriCache mode's mean DRAFT_DECODE forward (the scheduler's own "
-             "forwards, timed) over full mode's mean DECODE forward; median over repeats.\n",
+             "forwards, timed) over full mode's mean DECODE forward; median over repeats. Not at the same batch: "
+             "a VeriCache mode drafts for every running request (up to all of them) where full mode decodes the "
+             "requests its budget holds; at the same batch and context see bench_draft_attention.py "
+             "(results/draft_attention*.md).\n",
              "| mode | output tok/s | vs full | output = full | tokens/round | link busy | compute busy "
              "| draft step / full step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

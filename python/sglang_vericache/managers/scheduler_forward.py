@@ -49,7 +49,8 @@ class SchedulerForwardMixin:
 
         fb = make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
-        if self.two_tier is not None and self.two_tier.needs_queries and not all(r.spec.decode_only for r, _ in batch):
+        tt = self.two_tier
+        if tt is not None and tt.needs_queries and not all(r.spec.decode_only for r, _ in batch):
             fb.captured_q = {}  # (decode-only requests fold nothing: their queries are not kept)
         t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)

@@ -170,8 +170,9 @@ class AdaptiveVeriCache:
         request, whose compressed chunks may also push others' exact KV off the device); else it
         waits in the queue. "Beats the batch without req" means beats the better of that and full
         mode's batch (_full_reference): a running set of host-tier rounds that predicts less than the
-        same requests decoding resident as full mode would hold them takes no more. VeriCache is preferred to decode-only only if it beats it by ADMIT_MARGIN
-        (its prompt's fold is paid whether or not rounds follow). Nothing running: always.
+        same requests decoding resident as full mode would hold them takes no more. VeriCache is
+        preferred to decode-only only if it beats it by ADMIT_MARGIN (its prompt's fold is paid whether
+        or not rounds follow). Nothing running: always.
 
         Before the cost model is measured (StepCostModel.measured: requests arriving together are
         admitted during the first prefills, before any decode forward), predictions rest on the
@@ -249,8 +250,8 @@ class AdaptiveVeriCache:
         budget = self.placement.device_bytes
         fits = residency([self.placement.exact_bytes(f) for f in final],
                          float("inf") if budget is None else budget)
-        views = [RequestView(committed=n, resident=True, accept_rate=0.0, comp_keys=0, max_draft=0, can_draft=False)
-                 for n, f in zip(lens, fits) if f]
+        views = [RequestView(committed=n, resident=True, accept_rate=0.0, comp_keys=0, max_draft=0,
+                             can_draft=False) for n, f in zip(lens, fits) if f]
         return self.controller.decide(views).throughput if views else 0.0
 
     # ------------------------------------------------------------------ rounds
