@@ -99,3 +99,31 @@ def test_finished_requests_leave_the_placement():
     p.update([FakeReq("a", 200), FakeReq("b", 200)])
     p.update([FakeReq("b", 200)])
     assert set(p.state) == {"b"}
+
+
+@dataclass
+class FakeTreeCache:
+    comp: FakeCompPool
+    cached: int  # evictable compressed chunks (finished requests' prefixes)
+
+    def comp_evictable_chunks(self) -> int:
+        return self.cached
+
+    def evict_compressed(self, n: int) -> int:
+        n = min(n, self.cached)
+        self.cached -= n
+        self.comp.used -= n
+        return n
+
+
+def test_cached_compressed_chunks_give_way_to_resident_exact_kv():
+    """60 of 100 chunks (10 bytes each) are the radix cache's, evictable: they do not count against the
+    budget, and are evicted (the fewest that make room) when resident exact KV needs their bytes."""
+    comp = FakeCompPool(used=70)  # 10 held by running requests' tiers, 60 cached
+    tree = FakeTreeCache(comp, cached=60)
+    p = ExactPlacement(1000, comp, kv_bytes_per_token=2, growth_tokens=0, tree_cache=lambda: tree)
+    assert p.free_bytes() == 900 and p.free_bytes(evictable=False) == 300
+    assert p.update([FakeReq("a", 200), FakeReq("b", 200)]) == [True, True]  # 800 bytes: 50 chunks evicted
+    assert (tree.cached, comp.used) == (10, 20)
+    assert p.update([FakeReq("a", 200)]) == [True]  # fits already: nothing more is evicted
+    assert tree.cached == 10

@@ -14,6 +14,10 @@ moves the request's exact KV over the link once (charged to the transfer engine)
 counts as resident only when that copy is done. A request placed for the first time (right after
 its prefill, whose exact KV was computed on the device) is resident at once if it fits.
 
+Compressed chunks the radix cache keeps for finished requests (evictable, nobody's tier) do not
+count against the budget: they are evicted when resident exact KV needs their room, as full mode's
+cache gives way to running requests.
+
 Without a device budget (no --device-kv-budget and no device memory limit) every request is
 resident.
 """
@@ -21,7 +25,7 @@ resident.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool
@@ -37,7 +41,7 @@ class Residency:
 class ExactPlacement:
     def __init__(self, device_bytes: int | None, comp_pool: CompressedKVPool, kv_bytes_per_token: int,
                  growth_tokens: int, scratch_bytes_per_drafter: int = 0, staging_bytes: int = 0,
-                 engine: TransferEngine | None = None):
+                 engine: TransferEngine | None = None, tree_cache: Callable[[], Any] | None = None):
         self.device_bytes = device_bytes
         self.scratch = scratch_bytes_per_drafter
         self.staging = staging_bytes
@@ -45,16 +49,31 @@ class ExactPlacement:
         self.kv_bytes = kv_bytes_per_token
         self.growth = growth_tokens
         self.engine = engine
+        self.tree_cache = tree_cache  # -> the two-tier radix cache (comp_evictable_chunks, evict_compressed)
         self.state: dict[str, Residency] = {}  # rid -> residency, for running requests
         self.stats = {"promotions": 0, "demotions": 0, "promoted_bytes": 0}
 
-    def free_bytes(self, drafters: int = 0, staging: bool = False) -> float:
+    def free_bytes(self, drafters: int = 0, staging: bool = False, evictable: bool = True) -> float:
         """Device bytes left for resident exact KV, with `drafters` requests that may draft and
-        (staging) the staging ring held."""
+        (staging) the staging ring held; evictable: the radix cache's evictable chunks count as free."""
         if self.device_bytes is None:
             return float("inf")
-        used = (self.comp_pool.num_chunks - self.comp_pool.available_chunks()) * self.comp_pool.bytes_per_chunk()
+        held = self.comp_pool.num_chunks - self.comp_pool.available_chunks()
+        if evictable:
+            held -= self._cache_chunks()
+        used = held * self.comp_pool.bytes_per_chunk()
         return self.device_bytes - used - drafters * self.scratch - (self.staging if staging else 0)
+
+    def _cache_chunks(self) -> int:
+        tree = self.tree_cache() if self.tree_cache is not None else None
+        return tree.comp_evictable_chunks() if tree is not None else 0
+
+    def _make_room(self, need: float, drafters: int, staging: bool) -> None:
+        """Evicts cached compressed chunks until `need` bytes of resident exact KV fit."""
+        short = need - self.free_bytes(drafters, staging, evictable=False)
+        if short > 0 and self._cache_chunks():
+            chunk = self.comp_pool.bytes_per_chunk()
+            self.tree_cache().evict_compressed(min(self._cache_chunks(), -(-int(short) // chunk)))
 
     def exact_bytes(self, committed: int) -> int:
         return (committed + self.growth) * self.kv_bytes
@@ -67,9 +86,12 @@ class ExactPlacement:
             del self.state[rid]
         sizes = [self.exact_bytes(r.kv_committed_len) for r in running]
         drafters = sum(1 for r in running if not r.spec.decode_only)  # decode-only requests never draft
+        staging = False
         wanted = residency(sizes, self.free_bytes(drafters))
         if not all(wanted):  # some exact KV stays on the host: the staging ring takes its room
+            staging = True
             wanted = residency(sizes, self.free_bytes(drafters, staging=True))
+        self._make_room(sum(b for b, w in zip(sizes, wanted) if w), drafters, staging)
         out = []
         for r, want in zip(running, wanted):
             st = self.state.get(r.rid)
