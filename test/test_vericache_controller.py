@@ -9,9 +9,11 @@ import pytest
 from sglang_vericache.speculative.controller import (
     FIT_WINDOW,
     MIN_MEASURED,
+    REALIZED_EMA,
     Acceptance,
     ForwardSample,
     Plan,
+    RealizedThroughput,
     RequestView,
     StepCostModel,
     VeriCacheController,
@@ -229,3 +231,21 @@ def test_pinned_costs_ignore_forwards():
     cm.observe(ForwardSample(4, 6400, 0, 6400, 0.5))
     cm.observe_anchor(ForwardSample(2048, 2048, 0, 2048 * 2049 // 2, 3.0))
     assert cm.coef == (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
+
+
+def test_realized_throughput_scales_host_tier_predictions_down_never_up():
+    rt = RealizedThroughput()
+    assert rt.host_factor() == 1.0  # nothing measured
+    rt.window(False, tokens=90, seconds=1.0, predicted=100.0)  # base windows realize 0.9 of the prediction
+    assert rt.host_factor() == 1.0  # no host-tier window yet
+    rt.window(True, tokens=45, seconds=1.0, predicted=100.0)  # host-tier rounds: 0.45
+    assert rt.host_factor() == pytest.approx(0.5)
+    rt.window(True, tokens=135, seconds=1.0, predicted=100.0)  # 1.35: the ratio moves by REALIZED_EMA
+    host = (1 - REALIZED_EMA) * 0.45 + REALIZED_EMA * 1.35
+    assert rt.ratio["host"] == pytest.approx(host)
+    assert rt.host_factor() == pytest.approx(min(1.0, host / 0.9))
+    for _ in range(20):
+        rt.window(True, tokens=200, seconds=1.0, predicted=100.0)
+    assert rt.host_factor() == 1.0  # better than predicted: never raised
+    rt.window(True, tokens=0, seconds=0.0, predicted=100.0)  # an empty window changes nothing
+    assert rt.host_factor() == 1.0

@@ -28,6 +28,7 @@ from sglang_vericache.speculative.controller import (
     Acceptance,
     ForwardSample,
     Plan,
+    RealizedThroughput,
     RequestView,
     StepCostModel,
     VeriCacheController,
@@ -83,7 +84,7 @@ class AdaptiveVeriCache:
             device_bytes, two_tier.pool, kv_bytes, growth_tokens=self.max_draft + 1,
             scratch_bytes_per_drafter=(self.max_draft + 1) * kv_bytes,
             staging_bytes=link.stager.staging_bytes() if link is not None else 0,
-            engine=link.engine if link is not None else None)
+            engine=link.engine if link is not None else None, tree_cache=lambda: two_tier.tree_cache)
         self.controller = VeriCacheController(self._prior(runner, two_tier), kv_bytes,
                                               None if link is None else link.bandwidth, lengths)
         self.comp_rows_per_chunk = two_tier.pool.layouts[0].rows
@@ -99,6 +100,9 @@ class AdaptiveVeriCache:
         self._plan_key = None
         self._last_summary = ""
         self._admit_key, self._admit_answer = None, (True, False)
+        self.realized = RealizedThroughput()
+        self._predicted = 0.0  # the plan in force: predicted tok/s
+        self._window = [0, 0, 0.0, 0.0]  # iterations, tokens, seconds, of which with host-tier rounds
         # A KV store that takes compressed pages gets them from folding: then every request folds its
         # prompt (it may still decode, x = 0), so admission never picks decode-only.
         self.admission_ways = (False,) if "compressed" in args.kv_store_tier_set else (True, False)
@@ -140,6 +144,7 @@ class AdaptiveVeriCache:
                                      can_draft=not r.spec.decode_only))
         decision = self.controller.decide(views)
         self.plans = {r.rid: p for r, p in zip(running, decision.plans)}
+        self._predicted = decision.throughput
         if (self.iteration - self.last_round_at >= EXPLORE_EVERY and running
                 and not any(p.run and p.draft_len for p in decision.plans)):
             # Explore: the request with the best acceptance runs one round (exact either way).
@@ -187,6 +192,8 @@ class AdaptiveVeriCache:
             measured = self.controller.cost.measured
             without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
             ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
+            host = self.realized.host_factor()  # host-tier ways: as realized so far (RealizedThroughput)
+            ways = [((tput * (1 if keeps or d else host), runs, keeps), d) for (tput, runs, keeps), d in ways]
             floor = max(without, self._full_reference(req, pending)) if measured else 0.0
             ok = [(tput * (1 + ADMIT_MARGIN if d else 1), d) for (tput, runs, keeps), d in ways
                   if runs and keeps or (measured and runs and tput > floor * (1 + ADMIT_MARGIN))]
@@ -298,6 +305,20 @@ class AdaptiveVeriCache:
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> None:
+        start, reqs = time.perf_counter(), list(self.running)
+        before = sum(len(q.output_ids) for q in reqs)
+        host = self._step()
+        w = self._window
+        w[0] += 1
+        w[1] += sum(len(q.output_ids) for q in reqs) - before
+        w[2] += time.perf_counter() - start
+        w[3] += host
+        if w[0] >= REPLAN_EVERY:
+            self.realized.window(w[3] * 2 > w[0], w[1], w[2], self._predicted)
+            self._window = [0, 0, 0.0, 0.0]
+
+    def _step(self) -> bool:
+        """One iteration; -> whether host-tier requests ran rounds in it."""
         r = self.round
         running = list(self.running)
         resident = self.placement.update(running)
@@ -326,7 +347,7 @@ class AdaptiveVeriCache:
         drafting = [q for q in running if q.spec.booking is not None and not verifies_now(q) and r.is_drafting(q)]
         if not (drafting or on_device or streamed):
             self.advance()
-            return
+            return False
         verifiers = on_device + streamed
         shape = [(len(q.spec.drafts), q.kv_committed_len) for q in verifiers]
         comp = sum(self.comp_keys(q) for q in drafting)
@@ -344,6 +365,7 @@ class AdaptiveVeriCache:
                     self.accept[v.req.rid].update(v.drafted, v.accepted)
         self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * elapsed
         self.advance()
+        return bool(streamed) or any(not res_of.get(q.rid, True) for q in drafting)
 
     def advance(self) -> None:
         if self.rings is not None:

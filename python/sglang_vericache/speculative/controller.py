@@ -261,6 +261,32 @@ class Decision:
 
 
 DRAFT_LENGTHS = (2, 4, 6, 8, 12, 16, 24, 30)
+REALIZED_EMA = 0.3  # weight of the newest window in RealizedThroughput's ratios
+
+
+class RealizedThroughput:
+    """Realized over predicted tokens/s, measured over windows of iterations, apart for windows in
+    which host-tier requests ran rounds ("host") and the rest ("base"). The step-cost fit sees each
+    forward, not what lies around it when exact KV streams (staging splits, rebooked verifications,
+    folding at commit, stalls past the link model): where host-tier rounds realize less of their
+    prediction than the rest do, host_factor() < 1 scales the predictions that admit more of them.
+    It never raises them (an error in the hopeful direction is what the floor must not risk)."""
+
+    def __init__(self) -> None:
+        self.ratio: dict[str, float | None] = {"host": None, "base": None}
+
+    def window(self, host: bool, tokens: int, seconds: float, predicted: float) -> None:
+        if seconds <= 0 or predicted <= 0:
+            return
+        kind, r = ("host" if host else "base"), tokens / seconds / predicted
+        old = self.ratio[kind]
+        self.ratio[kind] = r if old is None else (1 - REALIZED_EMA) * old + REALIZED_EMA * r
+
+    def host_factor(self) -> float:
+        host, base = self.ratio["host"], self.ratio["base"]
+        if host is None:
+            return 1.0
+        return min(1.0, host / (base if base else 1.0))
 
 
 class VeriCacheController:
