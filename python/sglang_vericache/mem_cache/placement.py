@@ -70,10 +70,9 @@ class ExactPlacement:
 
     def _make_room(self, need: float, drafters: int, staging: bool) -> None:
         """Evicts cached compressed chunks until `need` bytes of resident exact KV fit."""
-        short = need - self.free_bytes(drafters, staging, evictable=False)
-        if short > 0 and self._cache_chunks():
-            chunk = self.comp_pool.bytes_per_chunk()
-            self.tree_cache().evict_compressed(min(self._cache_chunks(), -(-int(short) // chunk)))
+        short, cached = need - self.free_bytes(drafters, staging, evictable=False), self._cache_chunks()
+        if short > 0 and cached:
+            self.tree_cache().evict_compressed(min(cached, -(-int(short) // self.comp_pool.bytes_per_chunk())))
 
     def exact_bytes(self, committed: int) -> int:
         return (committed + self.growth) * self.kv_bytes

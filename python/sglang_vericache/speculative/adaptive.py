@@ -214,18 +214,16 @@ class AdaptiveVeriCache:
         """(predicted tok/s, whether req runs, whether it and everyone resident before stay resident to
         their ends) with req admitted decode-only or as VeriCache (req None: the others alone)."""
         ps, chunk = self.page_size, self.two_tier.pool.bytes_per_chunk()
-        running = set(id(r) for r in self.running)
-        reqs = list(self.running) + list(pending) + ([req] if req is not None else [])
+        reqs, lens, final = self._batch(req, pending)
         if not reqs:
             return 0.0, False, False
-        lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
         only = [r.spec.decode_only for r in reqs]
         if req is not None:
             only[-1] = decode_only
         # Residency is judged at every request's end (its prompt and all its new tokens), so a request
         # admitted resident stays so as it and the others grow: a decode-only request pushed onto the
         # host later would stream one-row verifies, slower than waiting in the queue.
-        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
+        running = set(id(r) for r in self.running)
         new_comp = sum((f // ps - (len(r.comp_indices) if id(r) in running else 0)) * chunk
                        for r, f, o in zip(reqs, final, only) if not o)
         sizes = [self.placement.exact_bytes(f) for f in final]
@@ -246,14 +244,20 @@ class AdaptiveVeriCache:
         d = self.controller.decide(views)
         return d.throughput, d.plans[-1].run, keeps
 
+    def _batch(self, req: Req | None, pending: list[Req]) -> tuple[list[Req], list[int], list[int]]:
+        """The running requests, `pending` and req (if any) in admission order, with their committed
+        lengths now (one not yet prefilled: its prefill) and at their ends (every new token)."""
+        running = set(id(r) for r in self.running)
+        reqs = list(self.running) + list(pending) + ([req] if req is not None else [])
+        lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
+        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
+        return reqs, lens, final
+
     def _full_reference(self, req: Req, pending: list[Req]) -> float:
         """Predicted tok/s of full mode's batch of the running requests, `pending` and req: each
         decoding, resident in admission order while their exact KV alone (at its end) fits the
         device budget; the rest wait in the queue."""
-        running = set(id(r) for r in self.running)
-        reqs = list(self.running) + list(pending) + [req]
-        lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
-        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
+        _, lens, final = self._batch(req, pending)
         budget = self.placement.device_bytes
         fits = residency([self.placement.exact_bytes(f) for f in final],
                          float("inf") if budget is None else budget)
