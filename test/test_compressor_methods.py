@@ -176,6 +176,23 @@ def test_kvquant_levels_are_the_chunks_values_when_they_take_eight_values():
     assert torch.equal(kd, k) and torch.equal(vd, v)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_kvquant_outliers_are_a_stable_descending_sorts_first_n_in_index_order(seed):
+    """outliers() selects by threshold (topk, then the first ties at the n-th largest score); it must be
+    exactly the definition: a stable descending sort of the scores (ties: lower flat index first), its
+    first N_o indices, ascending. Values on a coarse grid tie often, at the threshold too."""
+    comp = make("kvquant4", chunk_size=16, head_dim=16, outlier_fraction=0.05)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, 16, 2, 16, generator=g) * 2).round() / 2
+    x[1, :, 0] = 0.5  # a constant vector: MAD 0
+    for dim in (-3, -1):
+        med = x.median(dim=dim, keepdim=True).values
+        dev = (x - med).abs()
+        z = (dev / dev.median(dim=dim, keepdim=True).values.clamp_min(torch.finfo(torch.float32).tiny)).flatten(-3)
+        want = torch.sort(z, dim=-1, descending=True, stable=True).indices[..., : comp.num_outliers].sort(-1).values
+        assert torch.equal(comp.outliers(x, dim), want)
+
+
 def test_kvquant_keeps_planted_outliers_exactly_and_they_do_not_widen_the_ranges():
     comp = make("kvquant4", chunk_size=16, head_dim=16, outlier_fraction=0.01)  # round(0.01 * 512) = 5
     assert comp.num_outliers == 5 and comp.index_dtype == torch.int16

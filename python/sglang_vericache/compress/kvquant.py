@@ -120,8 +120,19 @@ class KVQuantCompressor(KVCompressor):
         dev = (x - med).abs()
         mad = dev.median(dim=dim, keepdim=True).values
         z = (dev / mad.clamp_min(torch.finfo(torch.float32).tiny)).flatten(-3)
-        order = torch.sort(z, dim=-1, descending=True, stable=True).indices
-        return order[..., : self.num_outliers].sort(dim=-1).values
+        n = self.num_outliers
+        if n == 0 or z.isnan().any():  # (NaN sorts above everything: the general path)
+            order = torch.sort(z, dim=-1, descending=True, stable=True).indices
+            return order[..., :n].sort(dim=-1).values
+        # The n largest, ties at the n-th largest value broken towards the lower index (what a stable
+        # descending sort keeps), in ascending order, without sorting the chunk: everything above the
+        # threshold, then the first ties at it.
+        thr = z.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+        above = z > thr
+        tie = z == thr
+        need = n - above.sum(dim=-1, keepdim=True)
+        keep = above | (tie & (tie.cumsum(dim=-1) <= need))
+        return keep.nonzero()[:, -1].view(*z.shape[:-1], n)
 
     def quantize(self, x: torch.Tensor, dim: int):
         """x float32 [..., T, H, D], vectors along dim -> (packed codes, scale, zero, levels,
@@ -179,10 +190,9 @@ def kmeans_1d(sorted_x: torch.Tensor, k: int, iters: int) -> torch.Tensor:
     lead = sorted_x.shape[:-1]
     first = torch.zeros((*lead, 1), dtype=torch.int64, device=dev)
     last = torch.full((*lead, 1), m, dtype=torch.int64, device=dev)
+    sorted_c = sorted_x.contiguous()
     for _ in range(iters):
-        cuts = torch.searchsorted(
-            sorted_x.contiguous(), ((centers[..., 1:] + centers[..., :-1]) / 2).contiguous()
-        )
+        cuts = torch.searchsorted(sorted_c, ((centers[..., 1:] + centers[..., :-1]) / 2).contiguous())
         starts, ends = torch.cat([first, cuts], dim=-1), torch.cat([cuts, last], dim=-1)
         count = ends - starts
         mean = (csum.gather(-1, ends) - csum.gather(-1, starts)) / count.clamp_min(1)
