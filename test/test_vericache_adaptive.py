@@ -113,6 +113,33 @@ def test_host_tier_requests_stream_and_resident_ones_do_not(llama, reference):
     assert sched.spec_worker.max_resident < len(batch)  # and not everyone was resident
 
 
+def test_no_exact_kv_goes_to_the_host_tier_before_draft_forwards_are_measured(llama, reference):
+    """The budget of the test above and a prior under which rounds win, not pinned (fitted as served):
+    a host-tier admission is not undone, so none is made on a draft cost no draft forward has
+    measured (StepCostModel.drafts_measured); until then every request runs resident, and the output
+    is full mode's."""
+    batch, greedy, _ = reference
+    link = dict(link_bandwidth="1GB", verify_staging_tokens=128)
+    probe = scheduler(llama, **VC, **link)
+    pl = probe.spec_worker.placement
+    comp = sum((n + NEW) // PAGE for n in PROMPT_LENS) * probe.two_tier.pool.bytes_per_chunk()
+    budget = comp + pl.staging + len(batch) * pl.scratch + pl.exact_bytes(9 + NEW)
+    sched = scheduler(llama, **VC, device_kv_budget=str(budget), **link)
+    worker = sched.spec_worker
+    worker.controller.cost = StepCostModel(ROUNDS_WIN)
+    seen = []
+    update = worker.placement.update
+
+    def recording(running):
+        resident = update(running)
+        seen.append((not all(resident), worker.controller.cost.drafts_measured))
+        return resident
+
+    worker.placement.update = recording
+    assert_same(greedy, run(sched, batch))
+    assert seen and all(measured for host, measured in seen if host)
+
+
 def test_a_link_that_cannot_pay_keeps_host_requests_waiting(llama, reference):
     """A slow link and decoding cheap: host-tier rounds would cost more than they give, so requests
     beyond the resident ones are not admitted (or wait) instead of crawling over the link."""

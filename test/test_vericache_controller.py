@@ -249,3 +249,39 @@ def test_realized_throughput_scales_host_tier_predictions_down_never_up():
     assert rt.host_factor() == 1.0  # better than predicted: never raised
     rt.window(True, tokens=0, seconds=0.0, predicted=100.0)  # an empty window changes nothing
     assert rt.host_factor() == 1.0
+
+
+def test_folding_cost_is_charged_per_emitted_token_on_every_plan():
+    # Costs under which rounds win (exact reads dominate). Folding adds RequestView.fold_s_per_token
+    # seconds per emitted token to each plan, decode and rounds alike (its compressed tier folds every
+    # committed page whatever it plans); 0 (no compressed tier) leaves the plans as they were.
+    cm = StepCostModel((1e-4, 1e-6, 1e-6, 1e-7, 1e-9))
+    ctl = VeriCacheController(cm, kv_bytes_per_token=8192, link_bandwidth=None)
+    free = ctl.decide([view(rate=0.9)])
+    assert free.plans[0].draft_len > 0
+    decode_s = 1e-6 + (1e-6 + 1e-9) * 1600  # one decode row, 1600 exact keys
+    round_tok_s = free.plans[0].seconds_per_iter / free.plans[0].tokens_per_iter  # < decode_s
+    # Folding adds the same seconds to every emitted token, decoded or drafted:
+    heavy = RequestView(committed=1600, resident=True, accept_rate=0.9, comp_keys=400, max_draft=30,
+                        fold_s_per_token=1.0)
+    opts = ctl.options(heavy)
+    assert opts[0].draft_len == 0 and opts[0].seconds_per_iter == pytest.approx(decode_s + 1.0)
+    for p in opts[1:]:
+        assert p.seconds_per_iter == pytest.approx(
+            next(q for q in ctl.options(view(rate=0.9)) if q.draft_len == p.draft_len).seconds_per_iter
+            + p.tokens_per_iter * 1.0)
+    assert round_tok_s < decode_s
+
+
+def test_draft_forwards_are_counted_apart_from_decodes():
+    cm = StepCostModel((1e-2, 1e-4, 1e-7, 2.5e-8, 1e-9))
+    for i in range(MIN_MEASURED):
+        cm.observe(ForwardSample(4, 4 * 1600, 0, 4 * 1600, 2e-2))
+    assert cm.measured and not cm.drafts_measured
+    for i in range(MIN_MEASURED):
+        assert not cm.drafts_measured
+        cm.observe(ForwardSample(4, 0, 4 * 400, 4 * 400, 1e-2))
+    assert cm.drafts_measured
+    pinned = StepCostModel((1e-2, 1e-4, 1e-7, 2.5e-8, 1e-9))
+    pinned.pin(pinned.prior)
+    assert pinned.drafts_measured

@@ -13,6 +13,7 @@ drafting reads, positions [C*ps, kv_committed_len), is always shorter than a pag
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +47,7 @@ class TwoTierKV:
         self.kv_pool = model_runner.token_to_kv_pool
         self.max_draft_tokens = args.max_draft_tokens
         self.tree_cache = None
+        self.fold_pages, self.fold_seconds = 0, 0.0  # pages folded so far and the seconds it took
         cfg = CompressorConfig.from_model_config(
             args.kv_compressor, args.kv_compression_ratio, self.page_size, mc, dtype=self.kv_pool.dtype,
         )
@@ -127,6 +129,7 @@ class TwoTierKV:
         ids = self.alloc_chunks(p - c)
         if ids is None:
             return False
+        t0 = time.perf_counter()
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, c * ps : p * ps]
         queries = None
         if self.needs_queries:
@@ -149,7 +152,13 @@ class TwoTierKV:
             compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
                            positions=positions, queries=queries)
         req.comp_indices = torch.cat([req.comp_indices, ids])
+        self.fold_pages += p - c
+        self.fold_seconds += time.perf_counter() - t0
         return True
+
+    def fold_seconds_per_page(self) -> float | None:
+        """Measured seconds to fold one page (every layer); None before any fold."""
+        return self.fold_seconds / self.fold_pages if self.fold_pages else None
 
     def fold_reconstructed(self, req: Req, c: int, p: int, slots, ids, positions) -> None:
         """Pages [c, p) of req through their reconstruction passes; pages whose passes have the

@@ -130,6 +130,21 @@ class AdaptiveVeriCache:
         tail = req.kv_committed_len - len(req.comp_indices) * ps
         return len(req.comp_indices) * self.comp_rows_per_chunk + tail
 
+    def fold_cost(self, req: Req, committed: int, prefilled: bool) -> float:
+        """Seconds of folding per token req emits (RequestView.fold_s_per_token), at the measured
+        seconds per page (TwoTierKV.fold_seconds_per_page; 0 before any fold): its new tokens' pages,
+        and, while it is not prefilled yet, its prompt's pages over the tokens it will emit (the fold
+        its VeriCache admission costs). A decode-only request (no compressed tier) folds nothing: its
+        callers give it 0."""
+        per_page = self.two_tier.fold_seconds_per_page()
+        if not per_page:
+            return 0.0
+        cost = per_page / self.page_size
+        if not prefilled:
+            left = max(req.sampling_params.max_new_tokens - len(req.output_ids), 1)
+            cost += per_page * max(committed // self.page_size - len(req.comp_indices), 0) / left
+        return cost
+
     def replan(self, running: list[Req], resident: list[bool]) -> None:
         key = (tuple(r.rid for r in running), tuple(resident))
         if key == self._plan_key and self.iteration % REPLAN_EVERY:
@@ -141,7 +156,9 @@ class AdaptiveVeriCache:
             acc = self.accept.setdefault(r.rid, Acceptance())
             views.append(RequestView(committed=r.kv_committed_len, resident=res, accept_rate=acc.rate(),
                                      comp_keys=self.comp_keys(r), max_draft=min(self.max_draft, left - 1),
-                                     can_draft=not r.spec.decode_only))
+                                     can_draft=not r.spec.decode_only,
+                                     fold_s_per_token=0.0 if r.spec.decode_only
+                                     else self.fold_cost(r, r.kv_committed_len, True)))
         decision = self.controller.decide(views)
         self.plans = {r.rid: p for r, p in zip(running, decision.plans)}
         self._predicted = decision.throughput
@@ -176,27 +193,37 @@ class AdaptiveVeriCache:
         waits in the queue. "Beats the batch without req" means beats the better of that and full
         mode's batch (_full_reference): a running set of host-tier rounds that predicts less than the
         same requests decoding resident as full mode would hold them takes no more. VeriCache is
-        preferred to decode-only only if it beats it by ADMIT_MARGIN (its prompt's fold is paid whether
-        or not rounds follow). Nothing running: always.
+        preferred to decode-only only if it beats it by ADMIT_MARGIN. Nothing running: always.
 
         Before the cost model is measured (StepCostModel.measured: requests arriving together are
         admitted during the first prefills, before any decode forward), predictions rest on the
         prior's KV-read costs, and a wrong guess is not undone (the folds are paid, host-tier
         requests hold compressed chunks on the device): then only ways that keep req and everyone
         resident are admissible, decode-only first (full mode's schedule); the rest wait the few
-        forwards it takes to measure."""
+        forwards it takes to measure. Ways that put exact KV on the host tier also wait for measured
+        draft forwards (StepCostModel.drafts_measured: rounds of resident VeriCache requests measure
+        them): a draft forward's costs are not seen in decode forwards (measured on an AVX-512 CPU, a
+        one-row draft forward took 1.6x a one-row decode), and admitting host-tier rounds on a guess
+        locked a one-request budget into rounds at 0.6x full mode's throughput.
+
+        Each VeriCache way also pays its fold (RequestView.fold_s_per_token): its prompt's pages
+        and every page it commits, at the measured seconds per page."""
+        cost = self.controller.cost
         key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
-               self.iteration // REPLAN_EVERY, self.controller.cost.measured)
+               self.iteration // REPLAN_EVERY, cost.measured, cost.drafts_measured)
         if key != self._admit_key:
             self._admit_key = key
             measured = self.controller.cost.measured
+            # A way that moves exact KV to the host tier (req's, or others' pushed off by its chunks) is
+            # not undone once taken: it is taken only on measured draft costs (drafts_measured).
+            host_ok = measured and self.controller.cost.drafts_measured
             without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
             ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
             host = self.realized.host_factor()  # host-tier ways: as realized so far (RealizedThroughput)
             ways = [((tput * (1 if keeps or d else host), runs, keeps), d) for (tput, runs, keeps), d in ways]
             floor = max(without, self._full_reference(req, pending)) if measured else 0.0
             ok = [(tput * (1 + ADMIT_MARGIN if d else 1), d) for (tput, runs, keeps), d in ways
-                  if runs and keeps or (measured and runs and tput > floor * (1 + ADMIT_MARGIN))]
+                  if runs and keeps or (host_ok and runs and tput > floor * (1 + ADMIT_MARGIN))]
             if ok and not measured:
                 self._admit_answer = (True, max(d for _, d in ok))
             elif ok:
@@ -239,8 +266,10 @@ class AdaptiveVeriCache:
             left = r.sampling_params.max_new_tokens - len(r.output_ids)
             acc = self.accept.get(r.rid) or Acceptance()
             comp = (n // ps) * self.comp_rows_per_chunk + n % ps
+            fold = 0.0 if o else self.fold_cost(r, n, id(r) in running)
             views.append(RequestView(committed=n, resident=res, accept_rate=acc.rate(), comp_keys=comp,
-                                     max_draft=min(self.max_draft, max(left - 1, 0)), can_draft=not o))
+                                     max_draft=min(self.max_draft, max(left - 1, 0)), can_draft=not o,
+                                     fold_s_per_token=fold))
         d = self.controller.decide(views)
         return d.throughput, d.plans[-1].run, keeps
 

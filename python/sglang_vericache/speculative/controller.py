@@ -21,7 +21,8 @@ The decision (staggered iterations: every running request adds rows to ONE forwa
 iteration): a request with plan x emits e = (1 + A(x)) / (x + 1) tokens per iteration on average
 (x draft iterations and one verify, A(x) accepted drafts expected) and adds
 d = (x * draft_row + verify_rows(x)) / (x + 1) seconds of forward time per iteration;
-decode (x = 0, resident only) emits e = 1 and adds d = c_row + (c_exact + c_qk) * L. A verify reads
+decode (x = 0, resident only) emits e = 1 and adds d = c_row + (c_exact + c_qk) * L; a request with a
+compressed tier also adds e * f seconds of folding, f = RequestView.fold_s_per_token. A verify reads
 the exact KV once for its x + 1 rows; that sharing (memory-bound attention) is where a round
 saves over x + 1 decode steps, and the fit says how much of it this machine has. Throughput is
 sum(e) / T. The link is not averaged over iterations: host-tier requests make v = sum 1/(x + 1)
@@ -90,6 +91,7 @@ class StepCostModel:
         self.samples: deque[ForwardSample] = deque(maxlen=FIT_WINDOW)
         self.anchors: deque[ForwardSample] = deque(maxlen=ANCHOR_WINDOW)
         self.pinned = False
+        self.draft_forwards = 0  # forwards observed that read compressed keys
         self._rebuild()
         self.coef = self.prior
 
@@ -110,6 +112,13 @@ class StepCostModel:
         """Whether the coefficients rest on MIN_MEASURED decode-time forwards (or are pinned)."""
         return self.pinned or len(self.samples) >= MIN_MEASURED
 
+    @property
+    def drafts_measured(self) -> bool:
+        """Whether MIN_MEASURED forwards with draft rows (compressed keys) were measured (or pinned):
+        until then a draft row's price rests on decode forwards and the prior's byte ratio, and a
+        draft forward's own costs (its metadata, the compressed-tier kernel, sampling drafts) on none."""
+        return self.pinned or self.draft_forwards >= MIN_MEASURED
+
     def observe_anchor(self, sample: ForwardSample) -> None:
         """A prefill forward (see the class docstring)."""
         if sample.seconds > 0 and sample.rows > 0 and not self.pinned:
@@ -121,6 +130,7 @@ class StepCostModel:
             if len(self.samples) == FIT_WINDOW:
                 self._add(self.samples[0], -1.0)  # leaves the window
             self.samples.append(sample)
+            self.draft_forwards += sample.comp_keys > 0
             self._add(sample, 1.0)
             self._since_rebuild += 1
             if self._since_rebuild >= REBUILD_EVERY:  # running sums drift: rebuild them exactly
@@ -240,6 +250,9 @@ class RequestView:
     comp_keys: int  # keys a draft row reads from the compressed tier (plus the exact tail)
     max_draft: int  # longest round this request may draft now (its budget and max_new_tokens)
     can_draft: bool = True  # False: no compressed tier of its own (decodes, or one-row streamed verifies)
+    # Seconds of folding (compressing committed pages into its compressed tier, outside the forwards)
+    # per token it emits, whatever its plan: 0 without a compressed tier (see AdaptiveVeriCache.fold_cost).
+    fold_s_per_token: float = 0.0
 
 
 @dataclass
@@ -302,8 +315,9 @@ class VeriCacheController:
         tier) waiting."""
         c0, c_row, c_exact, c_comp, c_qk = self.cost.coef
         out = []
+        fold = r.fold_s_per_token
         if r.resident:
-            out.append(Plan(True, 0, 1.0, c_row + (c_exact + c_qk) * r.committed, 0.0))
+            out.append(Plan(True, 0, 1.0, c_row + (c_exact + c_qk) * r.committed + fold, 0.0))
         else:
             out.append(Plan(False, 0))
         link_round = 0.0
@@ -319,7 +333,7 @@ class VeriCacheController:
             keys = r.committed + x / 2  # a verify row sees the committed keys and the rows before it
             verify = (x + 1) * (c_row + c_qk * keys) + c_exact * keys
             e = (1 + expected_accepted(r.accept_rate, x)) / (x + 1)
-            out.append(Plan(True, x, e, (x * draft_row + verify) / (x + 1), link_round / (x + 1)))
+            out.append(Plan(True, x, e, (x * draft_row + verify) / (x + 1) + e * fold, link_round / (x + 1)))
         return out
 
     def decide(self, views: list[RequestView]) -> Decision:
