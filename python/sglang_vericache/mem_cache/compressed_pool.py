@@ -31,6 +31,7 @@ class CompressedKVPool:
         self.device = device
         self.chunk_size = compressor.config.chunk_size  # exact tokens per chunk (= page_size)
         self.layouts: list[Layout] = [compressor.layout(i) for i in range(num_layers)]
+        self._chunk_bytes = sum(lay.chunk_nbytes() for lay in self.layouts)  # read at every iteration
         self.buffers: list[dict[str, torch.Tensor]] = [
             {s.name: torch.zeros((num_chunks + 1, *s.shape), dtype=s.dtype, device=device)
              for s in lay.tensors}
@@ -109,7 +110,7 @@ class CompressedKVPool:
 
     def bytes_per_chunk(self) -> int:
         """Stored bytes of one chunk id, summed over layers (scales and indices included)."""
-        return sum(lay.chunk_nbytes() for lay in self.layouts)
+        return self._chunk_bytes
 
     def size_bytes(self) -> int:
         """Bytes the buffers take, the padding chunk included."""

@@ -103,6 +103,18 @@ class StepCostModel:
         return cls((weight_bytes / mem_bandwidth, matmul_flops_per_row / flops, kv_bytes_per_token / mem_bandwidth,
                     comp_bytes_per_token / mem_bandwidth, qk_flops_per_key / flops))
 
+    @property
+    def coef(self) -> tuple[float, ...]:
+        """The fitted coefficients, refitted when read after new forwards (decisions read them every
+        few iterations; forwards are observed at every one)."""
+        if self._dirty:
+            self._coef, self._dirty = self._fit(), False
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: tuple[float, ...]) -> None:
+        self._coef, self._dirty = tuple(value), False
+
     def pin(self, coef: tuple[float, ...]) -> None:
         """Fixes the coefficients: forwards observed from now on change nothing (tests, benchmarks)."""
         self.coef, self.pinned = tuple(coef), True
@@ -123,7 +135,7 @@ class StepCostModel:
         """A prefill forward (see the class docstring)."""
         if sample.seconds > 0 and sample.rows > 0 and not self.pinned:
             self.anchors.append(sample)
-            self.coef = self._fit()
+            self._dirty = True
 
     def observe(self, sample: ForwardSample) -> None:
         if sample.seconds > 0 and sample.rows > 0 and not self.pinned:
@@ -135,7 +147,7 @@ class StepCostModel:
             self._since_rebuild += 1
             if self._since_rebuild >= REBUILD_EVERY:  # running sums drift: rebuild them exactly
                 self._rebuild()
-            self.coef = self._fit()
+            self._dirty = True
 
     def _add(self, s: ForwardSample, sign: float) -> None:
         """Adds (sign 1) or removes (sign -1) one sample's terms of the normal equations."""
