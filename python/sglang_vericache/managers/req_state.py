@@ -37,6 +37,7 @@ class ReqState:
     return_prompt_token_ids: bool = False
     created: float = field(default_factory=time.perf_counter)
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnect_checked: float = field(default_factory=time.perf_counter)  # last is_disconnected() poll
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict | None = None

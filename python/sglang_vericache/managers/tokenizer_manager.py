@@ -11,6 +11,7 @@ import asyncio
 import logging
 import pickle
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,7 +43,7 @@ from sglang_vericache.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 1.0
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 CONTROL_TIMEOUT_S = 30.0
 
 
@@ -285,10 +286,18 @@ class TokenizerManager(TokenizerRequestsMixin):
                 break
             try:
                 await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-                break
+                got = True
             except TimeoutError:
+                got = False
+            now = time.perf_counter()
+            # Polled every DISCONNECT_POLL_S whether or not outputs keep arriving: a non-stream request's
+            # outputs come at every step, and a client gone must not go unnoticed until it finishes.
+            if not got or now - state.disconnect_checked >= DISCONNECT_POLL_S:
+                state.disconnect_checked = now
                 if await request.is_disconnected():
                     raise GenerateError(f"the client disconnected; request {state.rid} aborted", 499)
+            if got:
+                break
         state.event.clear()
         if state.error is not None:
             raise state.error
