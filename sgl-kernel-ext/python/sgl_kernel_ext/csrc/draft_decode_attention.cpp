@@ -213,7 +213,10 @@ inline vint code_ints(const uint8_t* packed, int64_t i) {
 // lv[c] for 8 codes c < 16, lv's 16 floats given as lo = lv[0:8], hi = lv[8:16] (entries past the
 // level count are never picked).
 inline vfloat lookup(vfloat lo, vfloat hi, vint c) {
-#ifdef ATTN_AVX2
+#if defined(ATTN_AVX2) && defined(__AVX512VL__) && defined(__AVX512F__)
+  // One two-table permute: index bit 3 picks hi (codes < 16 use bits 0-3 only).
+  return (vfloat)_mm256_permutex2var_ps((__m256)lo, (__m256i)c, (__m256)hi);
+#elif defined(ATTN_AVX2)
   const __m256i ci = (__m256i)c;
   const __m256 a = _mm256_permutevar8x32_ps((__m256)lo, ci), b = _mm256_permutevar8x32_ps((__m256)hi, ci);
   return (vfloat)_mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(ci, _mm256_set1_epi32(7))));
