@@ -285,3 +285,31 @@ def test_draft_forwards_are_counted_apart_from_decodes():
     pinned = StepCostModel((1e-2, 1e-4, 1e-7, 2.5e-8, 1e-9))
     pinned.pin(pinned.prior)
     assert pinned.drafts_measured
+
+
+def test_a_draft_forwards_own_cost_is_fitted_and_can_keep_a_batch_decoding():
+    # Forwards cost as `true` says plus 3 ms whenever they have draft rows: the fit finds the 3 ms
+    # (draft_overhead) and predicts both kinds; a plan whose rounds only win without that cost decodes.
+    true = (2e-3, 1e-4, 2e-8, 5e-9, 1e-9)
+    cm = StepCostModel((1e-2, 1e-5, 1e-7, 1e-7, 1e-8))
+    rng = random.Random(3)
+    for i in range(FIT_WINDOW):
+        rows, n = rng.randint(1, 16), rng.randint(500, 2000)
+        if i % 2:  # a draft forward: rows read compressed keys
+            comp = rows * n // 4
+            cm.observe(ForwardSample(rows, 0, comp, comp, true[0] + true[1] * rows + (true[3] + true[4]) * comp + 3e-3,
+                                     drafting=True))
+        else:
+            cm.observe(ForwardSample(rows, rows * n, 0, rows * n, true[0] + true[1] * rows + (true[2] + true[4]) * rows * n))
+    assert cm.draft_overhead == pytest.approx(3e-3, rel=0.05)
+    assert cm.seconds(8, 0, 8 * 400, 8 * 400, drafting=True) == pytest.approx(
+        true[0] + 8 * true[1] + 8 * 400 * (true[3] + true[4]) + 3e-3, rel=0.05)
+    assert len(cm.coef) == 5
+    # Pinned without a draft cost, a round beats decoding one request; with a 20 ms one it does not.
+    costs = (1e-4, 1e-6, 1e-6, 1e-7, 1e-9)
+    free, dear = StepCostModel(costs), StepCostModel(costs)
+    free.pin(costs)
+    dear.pin((*costs, 2e-2))
+    assert free.draft_overhead == 0.0 and dear.draft_overhead == 2e-2
+    assert VeriCacheController(free, 8192, None).decide([view(rate=0.9)]).plans[0].draft_len > 0
+    assert VeriCacheController(dear, 8192, None).decide([view(rate=0.9)]).plans[0].draft_len == 0

@@ -431,4 +431,5 @@ class AdaptiveVeriCache:
         exact = sum(n + d + 1 for d, n in verifiers)
         key_rows = draft_keys + sum((d + 1) * (n + (d + 2) // 2) for d, n in verifiers)
         rows = n_drafting + sum(d + 1 for d, _ in verifiers)
-        self.controller.cost.observe(ForwardSample(rows, exact, comp, key_rows, max(seconds, 0.0)))
+        self.controller.cost.observe(ForwardSample(rows, exact, comp, key_rows, max(seconds, 0.0),
+                                                   drafting=n_drafting > 0))

@@ -51,7 +51,8 @@ REBUILD_EVERY = FIT_WINDOW  # the fit's running sums are recomputed from the win
 # Forwards of decode-time batches (not anchors) after which the fit is "measured": before that, the
 # coefficients of KV reads come from the prior alone and decide nothing full mode would not do.
 MIN_MEASURED = 8
-EXACT, COMP = 2, 3  # indices of c_exact and c_comp in a coefficient tuple
+EXACT, COMP, DRAFT = 2, 3, 5  # indices of c_exact, c_comp and c_draft in the fit's coefficients
+DRAFT_PRIOR_FRACTION = 0.25  # c_draft's prior, as a fraction of c0's
 PRIOR_ACCEPT = 0.8
 ACCEPT_PRIOR_ROUNDS = 2.0  # the acceptance prior counts as this many rounds
 
@@ -63,9 +64,11 @@ class ForwardSample:
     comp_keys: int  # compressed keys read, likewise
     key_rows: int  # query-key products: sum over rows of the keys (exact or compressed) each sees
     seconds: float
+    drafting: bool = False  # the forward has draft rows (DRAFT_DECODE, or MIXED with drafts)
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, float(self.rows), float(self.exact_keys), float(self.comp_keys), float(self.key_rows))
+        return (1.0, float(self.rows), float(self.exact_keys), float(self.comp_keys), float(self.key_rows),
+                float(self.drafting))
 
 
 class StepCostModel:
@@ -82,18 +85,24 @@ class StepCostModel:
 
     Until compressed keys are read (no draft forward measured), c_comp follows c_exact scaled by
     bytes (the prior's ratio): the ridge pulls c_comp / prior_comp towards c_exact / prior_exact,
-    not towards 1, so a machine whose exact reads cost 5x the prior is not thought to draft for free."""
+    not towards 1, so a machine whose exact reads cost 5x the prior is not thought to draft for free.
+
+    A forward with draft rows also costs c_draft once (`draft_overhead`: its metadata, the
+    compressed-tier kernel's calls, sampling drafts; measured on an AVX-512 EPYC, a one-row draft
+    forward took 1.6x a one-row decode), fitted as a sixth coefficient on an indicator feature, its
+    prior DRAFT_PRIOR_FRACTION of c0's; `coef` is the five above."""
 
     def __init__(self, prior: tuple[float, ...]):
         if any(p <= 0 for p in prior):
             raise ValueError(f"cost prior must be positive, got {prior}")
         self.prior = tuple(float(p) for p in prior)
+        self._prior = self.prior + (DRAFT_PRIOR_FRACTION * self.prior[0],)  # the fit's: c_draft's last
         self.samples: deque[ForwardSample] = deque(maxlen=FIT_WINDOW)
         self.anchors: deque[ForwardSample] = deque(maxlen=ANCHOR_WINDOW)
         self.pinned = False
         self.draft_forwards = 0  # forwards observed that read compressed keys
         self._rebuild()
-        self.coef = self.prior
+        self._coef, self._dirty = self._prior, False
 
     @classmethod
     def from_sizes(cls, weight_bytes: float, matmul_flops_per_row: float, kv_bytes_per_token: float,
@@ -107,13 +116,23 @@ class StepCostModel:
     def coef(self) -> tuple[float, ...]:
         """The fitted coefficients, refitted when read after new forwards (decisions read them every
         few iterations; forwards are observed at every one)."""
-        if self._dirty:
-            self._coef, self._dirty = self._fit(), False
-        return self._coef
+        return self._coefficients()[:DRAFT]
 
     @coef.setter
     def coef(self, value: tuple[float, ...]) -> None:
-        self._coef, self._dirty = tuple(value), False
+        """Five coefficients (c_draft 0) or six."""
+        value = tuple(float(v) for v in value)
+        self._coef, self._dirty = value + (0.0,) * (DRAFT + 1 - len(value)), False
+
+    @property
+    def draft_overhead(self) -> float:
+        """c_draft: seconds a forward with draft rows costs once, besides its rows and keys."""
+        return self._coefficients()[DRAFT]
+
+    def _coefficients(self) -> tuple[float, ...]:
+        if self._dirty:
+            self._coef, self._dirty = self._fit(), False
+        return self._coef
 
     def pin(self, coef: tuple[float, ...]) -> None:
         """Fixes the coefficients: forwards observed from now on change nothing (tests, benchmarks)."""
@@ -151,10 +170,10 @@ class StepCostModel:
 
     def _add(self, s: ForwardSample, sign: float) -> None:
         """Adds (sign 1) or removes (sign -1) one sample's terms of the normal equations."""
-        _accumulate(self._a, self._b, s, self.prior, sign)
+        _accumulate(self._a, self._b, s, self._prior, sign)
 
     def _rebuild(self) -> None:
-        n = len(self.prior)
+        n = len(self._prior)
         self._a = [[0.0] * n for _ in range(n)]
         self._b = [0.0] * n
         self._since_rebuild = 0
@@ -164,11 +183,11 @@ class StepCostModel:
     def _fit(self) -> tuple[float, ...]:
         # Work in units of the prior: x_i = c_i / prior_i. The normal equations' sums over the window
         # (self._a, self._b) are kept as samples come and go.
-        n = len(self.prior)
+        n = len(self._prior)
         a = [row[:] for row in self._a]
         b = self._b[:]
         for s in self.anchors:
-            _accumulate(a, b, s, self.prior, 1.0)
+            _accumulate(a, b, s, self._prior, 1.0)
         # Ridge towards x = 1: each coefficient's prior weighs as much as k forwards of that
         # coefficient's typical feature size, k = PRIOR_WEIGHT at first and fading as forwards
         # are measured (a feature never seen keeps its prior; c_comp: see the class docstring).
@@ -189,11 +208,13 @@ class StepCostModel:
         # No coefficient falls below MIN_FRACTION of its prior: a cost never fits to zero (or to
         # NaN from a degenerate window), so every plan keeps a positive, comparable price.
         return tuple((xi if math.isfinite(xi) and xi > MIN_FRACTION else MIN_FRACTION) * pi
-                     for xi, pi in zip(x, self.prior))
+                     for xi, pi in zip(x, self._prior))
 
-    def seconds(self, rows: float, exact_keys: float, comp_keys: float, key_rows: float) -> float:
-        c0, c_row, c_exact, c_comp, c_qk = self.coef
-        return c0 + c_row * rows + c_exact * exact_keys + c_comp * comp_keys + c_qk * key_rows
+    def seconds(self, rows: float, exact_keys: float, comp_keys: float, key_rows: float,
+                drafting: bool = False) -> float:
+        c0, c_row, c_exact, c_comp, c_qk, c_draft = self._coefficients()
+        return (c0 + c_row * rows + c_exact * exact_keys + c_comp * comp_keys + c_qk * key_rows
+                + c_draft * drafting)
 
 
 def _accumulate(a: list[list[float]], b: list[float], s: ForwardSample, prior: tuple[float, ...],
@@ -349,31 +370,33 @@ class VeriCacheController:
         return out
 
     def decide(self, views: list[RequestView]) -> Decision:
-        c0 = self.cost.coef[0]
+        c0, c_draft = self.cost.coef[0], self.cost.draft_overhead
         opts = [self.options(v) for v in views]
         # The floor every decision is held to: what full mode runs at this budget, the resident
         # requests decoding and the host tier idle; then the best plan with the host tier idle.
         # The search over every choice (host-tier rounds at each link price) must beat them.
         idle = [[p for p in o if not p.link_seconds_per_iter] or o for o in opts]
         best = self._evaluate([next((p for p in o if p.run and p.draft_len == 0 and not p.link_seconds_per_iter),
-                                    Plan(False, 0)) for o in opts], c0)
-        best = self._search(idle, (0.0,), c0, best)
+                                    Plan(False, 0)) for o in opts], c0, c_draft)
+        best = self._search(idle, (0.0,), c0, best, c_draft)
         prices = (0.0,) if self.bandwidth is None else (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-        best = self._search(opts, prices, c0, best)
+        best = self._search(opts, prices, c0, best, c_draft)
         if not any(p.run for p in best.plans) and any(p.run for o in opts for p in o):
             # Never park everyone: run each request's plan with the most tokens per iteration.
-            best = self._evaluate([max(o, key=lambda p: p.tokens_per_iter) for o in opts], c0)
+            best = self._evaluate([max(o, key=lambda p: p.tokens_per_iter) for o in opts], c0, c_draft)
         return best
 
-    def _search(self, opts: list[list[Plan]], prices: tuple[float, ...], c0: float, best: Decision) -> Decision:
+    def _search(self, opts: list[list[Plan]], prices: tuple[float, ...], c0: float, best: Decision,
+                c_draft: float = 0.0) -> Decision:
         """The best of `best` and, per link price mu, Dinkelbach's iterations over the per-request
-        choices (each request's plan maximizing tokens - lam * (seconds + mu * link seconds))."""
+        choices (each request's plan maximizing tokens - lam * (seconds + mu * link seconds)); each
+        candidate is scored by _evaluate, which also charges the shared c_draft."""
         for mu in prices:
             lam = 0.0
             for _ in range(20):  # Dinkelbach: lam converges to the best ratio at this link price
                 pick = [max(o, key=lambda p: p.tokens_per_iter - lam * (p.seconds_per_iter + mu * p.link_seconds_per_iter))
                         for o in opts]
-                d = self._evaluate(pick, c0)
+                d = self._evaluate(pick, c0, c_draft)
                 if d.throughput > best.throughput * (1 + 1e-9):
                     best = d
                 if d.throughput <= lam * (1 + 1e-9):
@@ -382,14 +405,18 @@ class VeriCacheController:
         return best
 
     @staticmethod
-    def _evaluate(plans: list[Plan], c0: float) -> Decision:
-        """Expected tokens per second of running `plans` together. The link is not averaged: an
-        iteration in which k host-tier verifications fall lasts max(forward, k * t_v) (t_v: one
-        verification's link time), and k is floor(v) or floor(v) + 1 for v verifications per
-        iteration on average, so a long transfer stalls every row of its iteration."""
+    def _evaluate(plans: list[Plan], c0: float, c_draft: float = 0.0) -> Decision:
+        """Expected tokens per second of running `plans` together. An iteration costs c0, each plan's
+        seconds, and c_draft when any request drafts in it (a round of x drafts does in x of its x + 1
+        iterations; rounds drift apart, so independently: with probability 1 - prod 1 / (x + 1)).
+        The link is not averaged: an iteration in which k host-tier verifications fall lasts
+        max(forward, k * t_v) (t_v: one verification's link time), and k is floor(v) or floor(v) + 1
+        for v verifications per iteration on average, so a long transfer stalls every row of its
+        iteration."""
         run = [p for p in plans if p.run]
         tokens = sum(p.tokens_per_iter for p in run)
-        compute = c0 + sum(p.seconds_per_iter for p in run)
+        no_draft = math.prod(1.0 / (p.draft_len + 1) for p in run)
+        compute = c0 + sum(p.seconds_per_iter for p in run) + c_draft * (1.0 - no_draft)
         host = [p for p in run if p.link_seconds_per_iter > 0]
         v = sum(1.0 / (p.draft_len + 1) for p in host)  # host verifications per iteration
         link = sum(p.link_seconds_per_iter for p in host)  # link seconds per iteration
