@@ -50,8 +50,8 @@ class SchedulerForwardMixin:
         fb = make_forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc))
         fb.logits_indices = torch.tensor(logit_rows, dtype=torch.int64)
         tt = self.two_tier
-        if tt is not None and tt.needs_queries and not all(r.spec.decode_only for r, _ in batch):
-            fb.captured_q = {}  # (decode-only requests fold nothing: their queries are not kept)
+        if tt is not None and tt.keeps_queries([r for r, _ in batch]):
+            fb.captured_q = {}
         t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
         if hasattr(self.spec_worker, "observe_prefill"):  # adaptive VeriCache's cost fit

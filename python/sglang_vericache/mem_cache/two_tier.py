@@ -108,6 +108,11 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ queries
 
+    def keeps_queries(self, reqs) -> bool:
+        """Whether a forward of reqs captures queries: the compressor scores with them and some req
+        folds (a decode-only request has no compressed tier; record_queries keeps none of its)."""
+        return self.needs_queries and any(not r.spec.decode_only for r in reqs)
+
     def record_queries(self, req: Req, captured: dict, rows: slice, n_keep: int | None = None) -> None:
         """Appends this pass's queries of req (rows of the flattened batch) to its history."""
         if not self.needs_queries or req.spec.decode_only:

@@ -213,10 +213,10 @@ class AdaptiveVeriCache:
                self.iteration // REPLAN_EVERY, cost.measured, cost.drafts_measured)
         if key != self._admit_key:
             self._admit_key = key
-            measured = self.controller.cost.measured
+            measured = cost.measured
             # A way that moves exact KV to the host tier (req's, or others' pushed off by its chunks) is
             # not undone once taken: it is taken only on measured draft costs (drafts_measured).
-            host_ok = measured and self.controller.cost.drafts_measured
+            host_ok = measured and cost.drafts_measured
             without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
             ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
             host = self.realized.host_factor()  # host-tier ways: as realized so far (RealizedThroughput)

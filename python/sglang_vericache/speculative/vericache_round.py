@@ -218,8 +218,7 @@ class VeriCacheRound:
             fb.num_resident = len(resident)
         if staged:
             fb.staged = self.link.staged(list(staged))
-        needs_q = (verifiers and self.two_tier is not None and self.two_tier.needs_queries
-                   and not all(r.spec.decode_only for r in verifiers))  # decode-only requests keep no queries
+        needs_q = verifiers and self.two_tier is not None and self.two_tier.keeps_queries(verifiers)
         fb.captured_q = {} if needs_q else None
         return RoundBatch(fb, drafting, verifiers, fb.captured_q, proposals)
 
