@@ -58,6 +58,9 @@ class FakeTwoTier:
         self.folded.append(req.rid)
         return True
 
+    def keeps_queries(self, reqs) -> bool:
+        return False
+
 
 class FakeLink:
     def staged(self, group):
