@@ -150,17 +150,19 @@ def test_one_request_one_chunk_and_no_tail_or_draft(name):
     assert (case.run() - case.reference()).abs().max().item() < 2e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group_size", [4, 8])
 @pytest.mark.parametrize("name", ["int8", "fp8", "kivi2", "kivi4", "kvquant3", "rotatekv2", "rotatekv4"])
-def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size):
+def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size, dtype):
     """Chunks of one token: each request's only key is one dequantized row, and softmax over one key
-    is exactly 1, so the output is that row: the kernel dequantizes exactly as decompress()."""
+    is exactly 1, so the output is that row: the kernel dequantizes exactly as decompress(), and in
+    bfloat16 rounds the row exactly as decompress().to(bfloat16) does."""
     if name == "fp8" and not fp8_supported():
         pytest.skip("no torch.float8_e4m3fn")
-    case = Case(name, torch.float32, mix=[(1, 0, 0)] * 6, seed=5, group_size=group_size, chunk=1)
+    case = Case(name, dtype, mix=[(1, 0, 0)] * 6, seed=5, group_size=group_size, chunk=1)
     ids = torch.tensor([r[0][0] for r in case.reqs])
     _, v = case.pool.decompress(0, ids)  # [6, Hkv, D], one row per chunk
-    assert torch.equal(case.run(), v.repeat_interleave(G, dim=1))
+    assert torch.equal(case.run(), v.to(dtype).float().repeat_interleave(G, dim=1))
 
 
 @pytest.mark.parametrize("group_size", [4, 16, 32])
