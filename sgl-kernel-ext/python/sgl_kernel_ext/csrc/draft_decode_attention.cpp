@@ -55,9 +55,11 @@ typedef uint8_t vbyte __attribute__((vector_size(VW)));
 // dtype and back would; n a multiple of 8. Values are finite (dequantized codes).
 //
 // Where AVX512-BF16 is there, bfloat16 rounding is one vcvtneps2bf16 per 8 values. It rounds to nearest
-// even as the integer formula does, but treats float32 subnormals as zero: the rows here never hold one
-// (codes times float16 scales plus float16 zeros are multiples of 2^-48, RoPE and the Hadamard transform
-// of such values stay far above 2^-126, outliers are a layer's largest values), so both give the same bits.
+// even as the integer formula does, but treats float32 subnormals (< 2^-126) as zero. Dequantized rows
+// hold none: codes times float16 scales plus float16 zeros are 0 or at least 2^-48 in magnitude, and
+// outliers are a layer's largest values; a key row after RoPE / the Hadamard transform could only reach
+// one by cancelling to below 2^-123, and would then differ from the torch path's row by less than 2^-126
+// (a draft only: verification is exact). The single-key test pins the bits per layout.
 inline void round_row(float* x, int64_t n, Elem to) {
   if (to == BF16) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
