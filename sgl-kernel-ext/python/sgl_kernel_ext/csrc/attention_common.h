@@ -85,6 +85,14 @@ inline const float* exact_row(const void* base, Elem e, int64_t offset, int64_t 
   return buf;
 }
 
+// Asks for the cache lines of bytes [offset, offset + n) of base: a hint, no value depends on it. The
+// kernels' row loops call it ahead of the rows they convert, so a row's lines are on their way while the
+// rows before it are worked on (without it each row's load is waited on in turn).
+inline void prefetch_bytes(const void* base, int64_t offset, int64_t n) {
+  const char* p = static_cast<const char*>(base) + offset;
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b);
+}
+
 // The 8 lane sums of each accumulator a[i] -> out[i], ((0+1)+(2+3))+((4+5)+(6+7)).
 inline void lane_sums8(const vfloat* a, float* out) {
 #ifdef ATTN_AVX2

@@ -408,13 +408,6 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
   }
 }
 
-// ---- prefetch: a hint, no value depends on it
-
-inline void prefetch_bytes(const void* base, int64_t offset, int64_t n) {
-  const char* p = static_cast<const char*>(base) + offset;
-  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b);
-}
-
 // Asks for what the row loop will read of compressed rows [a0, a1) of a request (chunks ids), KV
 // heads hk0 .. hk0 + nh - 1: each row's K / V codes (token-drop rows), and the per-row scales / zeros
 // of the rows' chunk span. Called a chunk (CHUNK rows) ahead: without it the loop waits on each row's
