@@ -1,11 +1,13 @@
 // Draft-decode attention on the CPU: one query token per request over
 //   [compressed rows | exact tail | draft rows]
 // read where they are stored. Compressed rows are token-dropped rows (exact dtype) or quantized
-// codes (int8, fp8 e4m3, kivi 2/4-bit) dequantized row by row into a 64-key buffer, in float32,
-// with the compressor's own arithmetic (code * scale [+ zero], each step rounded: the file is
-// built with -ffp-contract=off), so the rows equal compressor.decompress() bitwise; with round_to
-// they are then rounded to bfloat16 / float16, as a context held in that dtype stores them.
-// Nothing is expanded in memory beyond one chunk of 64 keys per thread.
+// codes (int8, fp8 e4m3, kivi 2/4-bit, kvquant, rotatekv) dequantized row by row into a 64-key
+// buffer, in float32, with the compressor's own arithmetic (code * scale [+ zero], each step
+// rounded: the file is built with -ffp-contract=off), so the rows equal compressor.decompress()
+// bitwise; with round_to they are rounded to bfloat16 / float16 in registers as they are stored, as
+// a context held in that dtype stores them. Nothing is expanded in memory beyond one chunk of 64
+// keys per thread. Under AVX-512 rows are dequantized 16 values at a time (the arithmetic is
+// elementwise: the same values).
 //
 // Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
 // go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
@@ -39,6 +41,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
@@ -50,62 +54,147 @@ using namespace attn;
 enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3, KVQUANT = 4, ROTATEKV = 5 };
 
 typedef uint8_t vbyte __attribute__((vector_size(VW)));
+typedef int8_t vsbyte __attribute__((vector_size(VW)));
+typedef uint32_t vuint __attribute__((vector_size(VW * sizeof(uint32_t))));
 
-// Rounds float32 x[0, n) in place to the nearest bfloat16 / float16 (ties to even), as a cast to that
-// dtype and back would; n a multiple of 8. Values are finite (dequantized codes).
+// Where AVX-512 is there, rows are dequantized 16 values at a time (the rest 8 at a time). The
+// arithmetic is elementwise, so every value is the same whichever width computes it.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DRAFT_AVX512 1
+#endif
+
+// ---- Rounding: a dequantized row is rounded as it is stored, to the nearest bfloat16 / float16 (ties
+// to even), as a cast to the dtype a context in that dtype holds and back would round it (TO == F32:
+// not rounded). Values are finite (dequantized codes).
 //
-// Where AVX512-BF16 is there, bfloat16 rounding is one vcvtneps2bf16 per 8 values. It rounds to nearest
-// even as the integer formula does, but treats float32 subnormals (< 2^-126) as zero. Dequantized rows
-// hold none: codes times float16 scales plus float16 zeros are 0 or at least 2^-48 in magnitude, and
-// outliers are a layer's largest values; a key row after RoPE / the Hadamard transform could only reach
-// one by cancelling to below 2^-123, and would then differ from the torch path's row by less than 2^-126
-// (a draft only: verification is exact). The single-key test pins the bits per layout.
-inline void round_row(float* x, int64_t n, Elem to) {
-  if (to == BF16) {
+// Where AVX512-BF16 is there, bfloat16 rounding is vcvtneps2bf16. It rounds to nearest even as the
+// integer formula does, but treats float32 subnormals (< 2^-126) as zero. Dequantized rows hold none:
+// codes times float16 scales plus float16 zeros are 0 or at least 2^-48 in magnitude, and outliers are
+// a layer's largest values; a key row after RoPE / the Hadamard transform could only reach one by
+// cancelling to below 2^-123, and would then differ from the torch path's row by less than 2^-126 (a
+// draft only: verification is exact). The single-key test pins the bits per layout.
+template <Elem TO>
+inline vfloat rounded(vfloat x) {
+  if constexpr (TO == BF16) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    for (int64_t i = 0; i < n; i += VW) {
-      const __m128i h = (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(x + i));
-      _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-    return;
-#endif
-    for (int64_t i = 0; i < n; i += VW) {
-      vint bits;
-      std::memcpy(&bits, x + i, sizeof(bits));
-      bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & (int32_t)0xFFFF0000u;
-      std::memcpy(x + i, &bits, sizeof(bits));
-    }
-  } else if (to == F16) {
-#ifdef __F16C__
-    for (int64_t i = 0; i < n; i += VW)
-      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+    const __m128i h = (__m128i)_mm256_cvtneps_pbh((__m256)x);
+    return (vfloat)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
-    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(c10::Half(x[i]));
+    vint bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & (int32_t)0xFFFF0000u;
+    std::memcpy(&x, &bits, sizeof(bits));
+    return x;
 #endif
+  } else if constexpr (TO == F16) {
+#ifdef __F16C__
+    return (vfloat)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int i = 0; i < VW; ++i) x[i] = static_cast<float>(c10::Half(x[i]));
+    return x;
+#endif
+  } else {
+    return x;
+  }
+}
+
+template <Elem TO>
+inline float rounded(float x) {  // one value: the integer formula / float16's conversion
+  if constexpr (TO == BF16) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    bits = (bits + (0x7FFFu + ((bits >> 16) & 1u))) & 0xFFFF0000u;
+    std::memcpy(&x, &bits, sizeof(bits));
+    return x;
+  } else if constexpr (TO == F16) {
+    return static_cast<float>(c10::Half(x));
+  } else {
+    return x;
+  }
+}
+
+#ifdef DRAFT_AVX512
+template <Elem TO>
+inline __m512 rounded(__m512 x) {
+  if constexpr (TO == BF16) {
+#ifdef __AVX512BF16__
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
+  } else if constexpr (TO == F16) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return x;
+  }
+}
+#endif
+
+// Calls f(std::integral_constant<Elem, TO>{}) for the rounding target `to`.
+template <typename F>
+inline void with_rounding(Elem to, F&& f) {
+  if (to == BF16) f(std::integral_constant<Elem, BF16>{});
+  else if (to == F16) f(std::integral_constant<Elem, F16>{});
+  else f(std::integral_constant<Elem, F32>{});
+}
+
+// ---- int8, fp8 and kivi rows (n a multiple of 8)
+
+// dst[i] = float(src[i]) * scale (an exact conversion, one rounding), rounded to TO.
+template <Elem TO>
+inline void int8_row(const int8_t* src, float scale, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef DRAFT_AVX512
+  const __m512 s16 = _mm512_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm512_storeu_ps(dst + i, rounded<TO>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), s16)));
+  }
+#endif
+  for (; i < n; i += VW) {
+    vsbyte raw;
+    std::memcpy(&raw, src + i, sizeof(raw));
+    vstore(dst + i, rounded<TO>(__builtin_convertvector(__builtin_convertvector(raw, vint), vfloat) * scale));
   }
 }
 
 // dst[i] = float(float8_e4m3fn byte src[i]) * scale, exactly as torch converts (bias 7, no
-// infinities, 0x7F / 0xFF NaN), 8 at a time in integer ops; n a multiple of 8.
+// infinities, 0x7F / 0xFF NaN), rounded to TO.
+template <Elem TO>
 inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
-#if defined(ATTN_AVX2) && defined(__F16C__)
+  int64_t i = 0;
   // e4m3 bits moved into a float16's (sign, exponent, mantissa) are the same number times 2^-8,
   // subnormals included; the hardware conversion is exact, and (x * 2^-8) * (scale * 2^8) rounds
   // once, exactly as x * scale.
+#ifdef DRAFT_AVX512
+  const __m512 s512 = _mm512_set1_ps(scale * 256.0f), nan512 = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  const __m256i sign16 = _mm256_set1_epi16(0x80), mag16 = _mm256_set1_epi16(0x7F);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i m = _mm256_and_si256(b, mag16);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign16), 8), _mm256_slli_epi16(m, 7));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), s512);
+    _mm512_storeu_ps(dst + i, rounded<TO>(_mm512_mask_blend_ps(_mm256_cmpeq_epi16_mask(m, mag16), f, nan512)));
+  }
+#endif
+#if defined(ATTN_AVX2) && defined(__F16C__)
   const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
   const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
-  for (int64_t i = 0; i < n; i += VW) {
+  for (; i < n; i += VW) {
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
     const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(_mm_and_si128(b, mag), 7));
     __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), s256);
     const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_cvtepu16_epi32(_mm_and_si128(b, mag)),
                                                               _mm256_set1_epi32(0x7F)));
     f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
-    _mm256_storeu_ps(dst + i, f);
+    vstore(dst + i, rounded<TO>((vfloat)f));
   }
   return;
 #endif
-  for (int64_t i = 0; i < n; i += VW) {
+  for (; i < n; i += VW) {  // integer ops
 #ifdef ATTN_AVX2
     const vint byte = (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
 #else
@@ -123,11 +212,9 @@ inline void fp8_row(const uint8_t* src, float scale, float* dst, int64_t n) {
     bits |= (byte & 0x80) << 24;
     vfloat f;
     std::memcpy(&f, &bits, sizeof(f));
-    vstore(dst + i, f * scale);
+    vstore(dst + i, rounded<TO>(f * scale));
   }
 }
-
-typedef uint32_t vuint __attribute__((vector_size(VW * sizeof(uint32_t))));
 
 // Codes i..i+7 of a kivi row (8 codes fill BITS bytes, code k at bits BITS*k) as floats.
 template <int BITS>
@@ -139,19 +226,58 @@ inline vfloat kivi_codes(const uint8_t* packed, int64_t i) {
   return __builtin_convertvector((vint)codes, vfloat);  // < 16: the signed conversion is exact
 }
 
-// dst = code * scale + zero (two roundings, as compressor.decompress), per channel scale / zero.
+#ifdef DRAFT_AVX512
+// Codes i..i+15 of a row packed 8 codes per BITS bytes (BITS 2 or 4: each byte copied to the lanes
+// of its codes, shifted and masked).
 template <int BITS>
+inline __m512i codes16(const uint8_t* packed, int64_t i) {
+  static_assert(BITS == 2 || BITS == 4, "2 or 4 bits (3: two code_ints)");
+  __m128i bytes;
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + i / 2));
+    bytes = _mm_unpacklo_epi8(b, b);
+  } else {
+    int32_t w;
+    std::memcpy(&w, packed + i / 4, sizeof(w));
+    bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(w), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+  }
+  const __m512i shifts = BITS == 4 ? _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)
+                                   : _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(bytes), shifts), _mm512_set1_epi32((1 << BITS) - 1));
+}
+
+template <int BITS>
+inline __m512 kivi_codes16(const uint8_t* packed, int64_t i) {
+  return _mm512_cvtepi32_ps(codes16<BITS>(packed, i));  // < 16: exact
+}
+#endif
+
+// dst = code * scale + zero (two roundings, as compressor.decompress), per channel scale / zero,
+// rounded to TO.
+template <int BITS, Elem TO>
 inline void kivi_row(const uint8_t* packed, const float* scale, const float* zero, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += VW) vstore(dst + i, kivi_codes<BITS>(packed, i) * vload(scale + i) + vload(zero + i));
+  int64_t i = 0;
+#ifdef DRAFT_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, rounded<TO>(_mm512_add_ps(_mm512_mul_ps(kivi_codes16<BITS>(packed, i), _mm512_loadu_ps(scale + i)),
+                                                        _mm512_loadu_ps(zero + i))));
+#endif
+  for (; i < n; i += VW) vstore(dst + i, rounded<TO>(kivi_codes<BITS>(packed, i) * vload(scale + i) + vload(zero + i)));
 }
 
 // The same with one scale / zero per group of `group` channels (float16 bits), group a multiple of 8.
-template <int BITS>
+template <int BITS, Elem TO>
 inline void kivi_row_grouped(const uint8_t* packed, const uint16_t* scale, const uint16_t* zero, int64_t group,
                              float* dst, int64_t n) {
   for (int64_t i = 0, gi = 0; i < n; i += group, ++gi) {
     const float sc = half_to_float(scale[gi]), z = half_to_float(zero[gi]);
-    for (int64_t e = i; e < i + group; e += VW) vstore(dst + e, kivi_codes<BITS>(packed, e) * sc + z);
+    int64_t e = i;
+#ifdef DRAFT_AVX512
+    const __m512 sc16 = _mm512_set1_ps(sc), z16 = _mm512_set1_ps(z);
+    for (; e + 16 <= i + group; e += 16)
+      _mm512_storeu_ps(dst + e, rounded<TO>(_mm512_add_ps(_mm512_mul_ps(kivi_codes16<BITS>(packed, e), sc16), z16)));
+#endif
+    for (; e < i + group; e += VW) vstore(dst + e, rounded<TO>(kivi_codes<BITS>(packed, e) * sc + z));
   }
 }
 
@@ -256,47 +382,104 @@ inline float exact_value(const void* base, Elem e, int64_t i) {
 
 // Writes the chunk's outliers that fall in flat [base, base + n) over x; *cursor walks the ascending
 // list (rows of one head are read in order, so it only moves forward).
-template <typename I>
+// (rounded to TO: values are stored as they come out of this)
+template <Elem TO, typename I>
 inline void put_outliers(const I* idx, const void* val, Elem e, int64_t n_out, int64_t* cursor, int64_t base,
                          int64_t n, float* x) {
   int64_t c = *cursor;
   while (c < n_out && idx[c] < base) ++c;
-  for (; c < n_out && idx[c] < base + n; ++c) x[idx[c] - base] = exact_value(val, e, c);
+  for (; c < n_out && idx[c] < base + n; ++c) x[idx[c] - base] = rounded<TO>(exact_value(val, e, c));
   *cursor = c;
 }
 
+template <Elem TO>
 inline void outliers(const Rotated& rt, bool key, int64_t id, int64_t base, int64_t n, float* x, Scratch& st) {
   const void* idx = key ? rt.k_out_idx : rt.v_out_idx;
   const void* val = static_cast<const char*>(key ? rt.k_out_val : rt.v_out_val) +
                     id * rt.n_out * (rt.out_elem == F32 ? 4 : 2);
   int64_t* cur = key ? &st.k_cursor : &st.v_cursor;
   if (rt.idx32)
-    put_outliers(static_cast<const int32_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+    put_outliers<TO>(static_cast<const int32_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
   else
-    put_outliers(static_cast<const int16_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+    put_outliers<TO>(static_cast<const int16_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
 }
 
-// out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate); rotate_half(x) = [-x2, x1].
+// out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate), rounded to TO;
+// rotate_half(x) = [-x2, x1].
+template <Elem TO>
 inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
   const int64_t h = D / 2;
   if (h % VW == 0) {
-    for (int64_t d = 0; d < h; d += VW) {
+    int64_t d = 0;
+#ifdef DRAFT_AVX512
+    for (; d + 16 <= h; d += 16) {
+      const __m512 a = _mm512_loadu_ps(x + d), b = _mm512_loadu_ps(x + d + h);
+      const __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)),
+                                      _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), _mm512_loadu_ps(s + d)));
+      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + d + h)), _mm512_mul_ps(a, _mm512_loadu_ps(s + d + h)));
+      _mm512_storeu_ps(out + d, rounded<TO>(lo));
+      _mm512_storeu_ps(out + d + h, rounded<TO>(hi));
+    }
+#endif
+    for (; d < h; d += VW) {
       const vfloat a = vload(x + d), b = vload(x + d + h);
-      vstore(out + d, a * vload(c + d) + (-b) * vload(s + d));
-      vstore(out + d + h, b * vload(c + d + h) + a * vload(s + d + h));
+      vstore(out + d, rounded<TO>(a * vload(c + d) + (-b) * vload(s + d)));
+      vstore(out + d + h, rounded<TO>(b * vload(c + d + h) + a * vload(s + d + h)));
     }
     return;
   }
-  for (int64_t d = 0; d < h; ++d) out[d] = x[d] * c[d] + (-x[d + h]) * s[d];
-  for (int64_t d = h; d < D; ++d) out[d] = x[d] * c[d] + x[d - h] * s[d];
+  for (int64_t d = 0; d < h; ++d) out[d] = rounded<TO>(x[d] * c[d] + (-x[d + h]) * s[d]);
+  for (int64_t d = h; d < D; ++d) out[d] = rounded<TO>(x[d] * c[d] + x[d - h] * s[d]);
+}
+
+// float(1 / sqrt(n)) for n = 2^k, computed in double as rotatekv.fwht does (once: a table by k).
+inline float fwht_scale(int64_t n) {
+  static const auto table = [] {
+    std::array<float, 63> t{};
+    for (int k = 0; k < 63; ++k) t[k] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(int64_t{1} << k)));
+    return t;
+  }();
+  return table[__builtin_ctzll(static_cast<unsigned long long>(n))];
+}
+
+// Butterflies at strides 1, 2, 4 within one 8-aligned vector ((a, b) -> (a + b, a - b), in fwht's order).
+inline vfloat fwht8(vfloat v) {
+  typedef int32_t vidx __attribute__((vector_size(VW * sizeof(int32_t))));
+  vfloat a = __builtin_shuffle(v, vidx{0, 0, 2, 2, 4, 4, 6, 6}), b = __builtin_shuffle(v, vidx{1, 1, 3, 3, 5, 5, 7, 7});
+  v = __builtin_shuffle(a + b, a - b, vidx{0, 9, 2, 11, 4, 13, 6, 15});
+  a = __builtin_shuffle(v, vidx{0, 1, 0, 1, 4, 5, 4, 5}), b = __builtin_shuffle(v, vidx{2, 3, 2, 3, 6, 7, 6, 7});
+  v = __builtin_shuffle(a + b, a - b, vidx{0, 1, 10, 11, 4, 5, 14, 15});
+  a = __builtin_shuffle(v, vidx{0, 1, 2, 3, 0, 1, 2, 3}), b = __builtin_shuffle(v, vidx{4, 5, 6, 7, 4, 5, 6, 7});
+  return __builtin_shuffle(a + b, a - b, vidx{0, 1, 2, 3, 12, 13, 14, 15});
+}
+
+// fwht of NV vectors (n = 8 NV) held in registers: the same butterflies, no store between strides.
+template <int NV, Elem TO>
+inline void fwht_regs(float* x, float f) {
+  vfloat v[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) v[i] = fwht8(vload(x + i * VW));
+#pragma GCC unroll 16
+  for (int h = 1; h < NV; h *= 2)
+#pragma GCC unroll 16
+    for (int s = 0; s < NV; s += 2 * h)
+#pragma GCC unroll 16
+      for (int i = s; i < s + h; ++i) {
+        const vfloat a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) vstore(x + i * VW, rounded<TO>(v[i] * f));
 }
 
 // rotatekv.fwht: orthonormal Walsh-Hadamard over n (a power of two) values, butterflies
 // (a, b) -> (a + b, a - b) at strides h = 1, 2, 4, ..., then one scaling by float(1 / sqrt(n)). Strides
 // below 8 mix lanes of one 8-aligned vector only, so each vector goes through them on its own; the
-// additions are the same, so the result is bitwise fwht's.
+// additions are the same, so the result is bitwise fwht's. The result is rounded to TO.
+template <Elem TO>
 inline void fwht(float* x, int64_t n) {
-  const float f = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  const float f = fwht_scale(n);
   if (n < VW) {
     for (int64_t h = 1; h < n; h *= 2)
       for (int64_t s = 0; s < n; s += 2 * h)
@@ -305,19 +488,18 @@ inline void fwht(float* x, int64_t n) {
           x[i] = a + b;
           x[i + h] = a - b;
         }
-    for (int64_t i = 0; i < n; ++i) x[i] *= f;
+    for (int64_t i = 0; i < n; ++i) x[i] = rounded<TO>(x[i] * f);
     return;
   }
-  typedef int32_t vidx __attribute__((vector_size(VW * sizeof(int32_t))));
-  for (int64_t i = 0; i < n; i += VW) {
-    vfloat v = vload(x + i);
-    vfloat a = __builtin_shuffle(v, vidx{0, 0, 2, 2, 4, 4, 6, 6}), b = __builtin_shuffle(v, vidx{1, 1, 3, 3, 5, 5, 7, 7});
-    v = __builtin_shuffle(a + b, a - b, vidx{0, 9, 2, 11, 4, 13, 6, 15});
-    a = __builtin_shuffle(v, vidx{0, 1, 0, 1, 4, 5, 4, 5}), b = __builtin_shuffle(v, vidx{2, 3, 2, 3, 6, 7, 6, 7});
-    v = __builtin_shuffle(a + b, a - b, vidx{0, 1, 10, 11, 4, 5, 14, 15});
-    a = __builtin_shuffle(v, vidx{0, 1, 2, 3, 0, 1, 2, 3}), b = __builtin_shuffle(v, vidx{4, 5, 6, 7, 4, 5, 6, 7});
-    vstore(x + i, __builtin_shuffle(a + b, a - b, vidx{0, 1, 2, 3, 12, 13, 14, 15}));
+  switch (n) {  // the head dims of real models (and 2 heads of them): in registers
+    case 8: return fwht_regs<1, TO>(x, f);
+    case 16: return fwht_regs<2, TO>(x, f);
+    case 32: return fwht_regs<4, TO>(x, f);
+    case 64: return fwht_regs<8, TO>(x, f);
+    case 128: return fwht_regs<16, TO>(x, f);
+    default: break;
   }
+  for (int64_t i = 0; i < n; i += VW) vstore(x + i, fwht8(vload(x + i)));
   for (int64_t h = VW; h < n; h *= 2)
     for (int64_t s = 0; s < n; s += 2 * h)
       for (int64_t i = s; i < s + h; i += VW) {
@@ -325,14 +507,14 @@ inline void fwht(float* x, int64_t n) {
         vstore(x + i, a + b);
         vstore(x + i + h, a - b);
       }
-  for (int64_t i = 0; i < n; i += VW) vstore(x + i, vload(x + i) * f);
+  for (int64_t i = 0; i < n; i += VW) vstore(x + i, rounded<TO>(vload(x + i) * f));
 }
 
 // code * scale + zero with one float16 scale / zero per `group` channels (two roundings).
 template <int BITS>
 inline void minmax_row(const uint8_t* packed, const uint16_t* sc16, const uint16_t* z16, int64_t group, float* dst,
                        int64_t n) {
-  if (group % VW == 0) return kivi_row_grouped<BITS>(packed, sc16, z16, group, dst, n);
+  if (group % VW == 0) return kivi_row_grouped<BITS, F32>(packed, sc16, z16, group, dst, n);
   for (int64_t i = 0; i < n; i += VW) vstore(dst + i, kivi_codes<BITS>(packed, i));
   for (int64_t d = 0, gi = 0; d < n; ++gi) {
     const float sc = half_to_float(sc16[gi]), z = half_to_float(z16[gi]);
@@ -352,8 +534,9 @@ inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, i
   return table + p * D;
 }
 
-// kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers written back, RoPE on the key.
-template <int BITS>
+// kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers written back, RoPE on the key;
+// both rounded to TO.
+template <int BITS, Elem TO>
 void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk, float* kd, float* vd,
                  Scratch& st) {
   const Rotated& rt = cp.rt;
@@ -373,18 +556,39 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
   const vfloat vlo = vload(st.vlv.data()), vhi = vload(st.vlv.data() + VW);
   const float* ks = st.ks.data();
   const float* kz = st.kz.data();
-  for (int64_t d = 0; d < D; d += VW)
+  const float vsc = half_to_float(cp.v_scale[row]), vz = half_to_float(cp.v_zero[row]);
+  int64_t d = 0;
+#ifdef DRAFT_AVX512
+  // one 16-entry permute per 16 codes (levels past the count are never picked)
+  const __m512 kl16 = _mm512_loadu_ps(st.klv.data()), vl16 = _mm512_loadu_ps(st.vlv.data());
+  const __m512 vsc16 = _mm512_set1_ps(vsc), vz16 = _mm512_set1_ps(vz);
+  for (; d + 16 <= D; d += 16) {
+    __m512i kq, vq;
+    if constexpr (BITS == 3) {
+      kq = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)code_ints<3>(kc, d)), (__m256i)code_ints<3>(kc, d + 8), 1);
+      vq = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)code_ints<3>(vc, d)), (__m256i)code_ints<3>(vc, d + 8), 1);
+    } else {
+      kq = codes16<BITS>(kc, d);
+      vq = codes16<BITS>(vc, d);
+    }
+    _mm512_storeu_ps(x + d, _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq, kl16), _mm512_loadu_ps(ks + d)),
+                                          _mm512_loadu_ps(kz + d)));
+    _mm512_storeu_ps(vd + d, rounded<TO>(_mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(vq, vl16), vsc16), vz16)));
+  }
+#endif
+  for (; d < D; d += VW) {
     vstore(x + d, lookup(klo, khi, code_ints<BITS>(kc, d)) * vload(ks + d) + vload(kz + d));
-  outliers(rt, true, id, (j * Hkv + hk) * D, D, x, st);
-  rope_row(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
-  const vfloat vsc = vfloat{} + half_to_float(cp.v_scale[row]), vz = vfloat{} + half_to_float(cp.v_zero[row]);
-  for (int64_t d = 0; d < D; d += VW) vstore(vd + d, lookup(vlo, vhi, code_ints<BITS>(vc, d)) * vsc + vz);
-  outliers(rt, false, id, (j * Hkv + hk) * D, D, vd, st);
+    vstore(vd + d, rounded<TO>(lookup(vlo, vhi, code_ints<BITS>(vc, d)) * vsc + vz));
+  }
+  outliers<F32>(rt, true, id, (j * Hkv + hk) * D, D, x, st);
+  rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
+  outliers<TO>(rt, false, id, (j * Hkv + hk) * D, D, vd, st);
 }
 
 // rotatekv row j of chunk id for the heads hk0.. of one Hadamard group (key_heads of them when block == D,
 // else one): min-max codes in the rotated basis, the transform back, RoPE on the keys. Head hh's key row
-// goes to kd + hh * stride, its value row to vd + hh * stride_v.
+// goes to kd + hh * stride, its value row to vd + hh * stride_v; both rounded to TO.
+template <Elem TO>
 void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, int64_t nh, float* kd,
                    float* vd, int64_t stride, int64_t stride_v, Scratch& st) {
   const Rotated& rt = cp.rt;
@@ -395,16 +599,16 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
     const int64_t r2 = (id * R + j) * Hkv + hk0 + hh;
     minmax_row(kc + r2 * nb, cp.bits, cp.k_scale + r2 * ng, cp.k_zero + r2 * ng, rt.group, x + hh * D, D);
   }
-  if (rt.block == D) fwht(x, nh * D);
-  else for (int64_t b = 0; b < D; b += rt.block) fwht(x + b, rt.block);  // nh == 1
+  if (rt.block == D) fwht<F32>(x, nh * D);
+  else for (int64_t b = 0; b < D; b += rt.block) fwht<F32>(x + b, rt.block);  // nh == 1
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t hk = hk0 + hh, row = (id * R + j) * Hkv + hk;
-    rope_row(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
+    rope_row<TO>(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
              kd + hh * stride, D);
     float* v = vd + hh * stride_v;
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
-    for (int64_t b = 0; b < D; b += rt.block) fwht(v + b, rt.block);
+    for (int64_t b = 0; b < D; b += rt.block) fwht<TO>(v + b, rt.block);
   }
 }
 
@@ -440,7 +644,9 @@ __attribute__((always_inline)) inline void prefetch_rows(const Compressed& cp, c
 }
 
 // Row j (key group `group` for kivi) of chunk id, KV head hk, as float32 K and V rows: *kp / *vp
-// point into the pool (float32 token-drop rows) or at kd / vd, where the row is dequantized.
+// point into the pool (float32 token-drop rows) or at kd / vd, where the row is dequantized and
+// rounded to TO (token-drop rows are exact: never rounded).
+template <Elem TO>
 void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t group, int64_t hk,
                     float* kd, float* vd, const float** kp, const float** vp, Scratch& st) {
   const int64_t R = cp.rows, D = sh.D, Dv = sh.Dv, Hkv = sh.Hkv;
@@ -453,24 +659,18 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
   *kp = kd;
   *vp = vd;
   if (cp.kind == KVQUANT) {
-    if (cp.bits == 2) return kvquant_row<2>(cp, sh, id, j, hk, kd, vd, st);
-    if (cp.bits == 3) return kvquant_row<3>(cp, sh, id, j, hk, kd, vd, st);
-    return kvquant_row<4>(cp, sh, id, j, hk, kd, vd, st);
+    if (cp.bits == 2) return kvquant_row<2, TO>(cp, sh, id, j, hk, kd, vd, st);
+    if (cp.bits == 3) return kvquant_row<3, TO>(cp, sh, id, j, hk, kd, vd, st);
+    return kvquant_row<4, TO>(cp, sh, id, j, hk, kd, vd, st);
   }
   if (cp.kind == INT8 || cp.kind == FP8) {
     const float ksc = half_to_float(cp.k_scale[row]), vsc = half_to_float(cp.v_scale[row]);
     if (cp.kind == INT8) {
-      const int8_t* kc = static_cast<const int8_t*>(cp.k) + row * D;
-      const int8_t* vc = static_cast<const int8_t*>(cp.v) + row * Dv;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kc[d]) * ksc;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) vd[d] = static_cast<float>(vc[d]) * vsc;
+      int8_row<TO>(static_cast<const int8_t*>(cp.k) + row * D, ksc, kd, D);
+      int8_row<TO>(static_cast<const int8_t*>(cp.v) + row * Dv, vsc, vd, Dv);
     } else {
-      const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + row * D;
-      const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + row * Dv;
-      fp8_row(kc, ksc, kd, D);
-      fp8_row(vc, vsc, vd, Dv);
+      fp8_row<TO>(static_cast<const uint8_t*>(cp.k) + row * D, ksc, kd, D);
+      fp8_row<TO>(static_cast<const uint8_t*>(cp.v) + row * Dv, vsc, vd, Dv);
     }
     return;
   }
@@ -494,17 +694,21 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
     }
   }
   if (cp.bits == 4) {
-    kivi_row<4>(kc, st.ks.data(), st.kz.data(), kd, D);
-    if (vg % VW == 0) kivi_row_grouped<4>(vc, vs16, vz16, vg, vd, Dv); else kivi_row<4>(vc, st.vs.data(), st.vz.data(), vd, Dv);
+    kivi_row<4, TO>(kc, st.ks.data(), st.kz.data(), kd, D);
+    if (vg % VW == 0) kivi_row_grouped<4, TO>(vc, vs16, vz16, vg, vd, Dv);
+    else kivi_row<4, TO>(vc, st.vs.data(), st.vz.data(), vd, Dv);
   } else {
-    kivi_row<2>(kc, st.ks.data(), st.kz.data(), kd, D);
-    if (vg % VW == 0) kivi_row_grouped<2>(vc, vs16, vz16, vg, vd, Dv); else kivi_row<2>(vc, st.vs.data(), st.vz.data(), vd, Dv);
+    kivi_row<2, TO>(kc, st.ks.data(), st.kz.data(), kd, D);
+    if (vg % VW == 0) kivi_row_grouped<2, TO>(vc, vs16, vz16, vg, vd, Dv);
+    else kivi_row<2, TO>(vc, st.vs.data(), st.vz.data(), vd, Dv);
   }
 }
 
 // The G query heads of each of the KV heads hk0 .. hk0 + nh - 1 of request b over its keys, CHUNK at a time
 // (nh > 1: one rotatekv Hadamard group, whose key rows are transformed together). Query head
 // qi = hh * G + g of the item reads KV head hk0 + hh; its arithmetic does not depend on nh.
+// Dequantized rows are rounded to TO (cp.round_to).
+template <Elem TO>
 void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
                  float scale, int64_t b, int64_t hk0, int64_t nh, float* out, Scratch& st) {
   const int64_t D = sh.D, Dv = sh.Dv, G = sh.G, QH = nh * G;
@@ -534,14 +738,11 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       float* vd = st.vbuf.data() + c * Dv;
       if (i < n_comp) {
         if (cp.kind == ROTATEKV) {
-          rotatekv_rows(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
+          rotatekv_rows<TO>(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
           for (int64_t hh = 0; hh < nh; ++hh) kp[hh * CHUNK + c] = kd + hh * CHUNK * D, vp[hh * CHUNK + c] = vd + hh * CHUNK * Dv;
         } else {  // nh == 1
-          compressed_row(cp, sh, ids[chunk], j, group, hk0, kd, vd, &kp[c], &vp[c], st);
+          compressed_row<TO>(cp, sh, ids[chunk], j, group, hk0, kd, vd, &kp[c], &vp[c], st);
         }
-        if (cp.kind != TOKEN_DROP && cp.round_to != F32)
-          for (int64_t hh = 0; hh < nh; ++hh)
-            round_row(kd + hh * CHUNK * D, D, cp.round_to), round_row(vd + hh * CHUNK * Dv, Dv, cp.round_to);
         if (++in_group == cp.key_group) in_group = 0, ++group;
         if (++j == cp.rows) j = 0, group = 0, in_group = 0, ++chunk;
       } else {
@@ -768,9 +969,12 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const float fscale = static_cast<float>(scale);
   // Work items: (request, KV head), or (request, Hadamard group of KV heads) for rotatekv
   const int64_t nh = kind == ROTATEKV && cp.rt.block == sh.D ? cp.rt.key_heads : 1, per = sh.Hkv / nh;
-  at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
-    Scratch st(sh);
-    for (int64_t w = begin; w < end; ++w) attend_item(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
+  with_rounding(cp.round_to, [&](auto to) {
+    at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
+      Scratch st(sh);
+      for (int64_t w = begin; w < end; ++w)
+        attend_item<decltype(to)::value>(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
+    });
   });
   return out;
 }
