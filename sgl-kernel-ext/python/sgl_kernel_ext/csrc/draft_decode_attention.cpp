@@ -53,6 +53,8 @@ using namespace attn;
 
 enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3, KVQUANT = 4, ROTATEKV = 5 };
 
+constexpr int64_t PREFETCH_ROWS = 16;  // compressed rows asked for ahead of the row loop (prefetch_row)
+
 typedef uint8_t vbyte __attribute__((vector_size(VW)));
 typedef int8_t vsbyte __attribute__((vector_size(VW)));
 typedef uint32_t vuint __attribute__((vector_size(VW * sizeof(uint32_t))));
@@ -317,6 +319,8 @@ struct Compressed {
   int64_t width;
   const int64_t* lens;
   Rotated rt;
+  int64_t row_bytes[2] = {0, 0};  // bytes of one (row, head)'s K / V codes or rows
+  int64_t scale_width[4] = {0, 0, 0, 0};  // float16 [k_scale, k_zero, v_scale, v_zero] per (row, head)
 };
 
 struct Shape {
@@ -612,34 +616,40 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
   }
 }
 
-// Asks for what the row loop will read of compressed rows [a0, a1) of a request (chunks ids), KV
-// heads hk0 .. hk0 + nh - 1: each row's K / V codes (token-drop rows), and the per-row scales / zeros
-// of the rows' chunk span. Called a chunk (CHUNK rows) ahead: without it the loop waits on each row's
-// load in turn (token-drop drafting in bfloat16 at batch 16, context 1600 ran 2x slower). Inlined:
-// called out of line, the same prefetches measured no gain.
-__attribute__((always_inline)) inline void prefetch_rows(const Compressed& cp, const Shape& sh, const int64_t* ids,
-                                                         int64_t a0, int64_t a1, int64_t hk0, int64_t nh) {
-  const int64_t R = cp.rows, Hkv = sh.Hkv;
-  const bool whole = cp.kind == TOKEN_DROP || cp.kind == INT8 || cp.kind == FP8;  // one element per channel
-  const int64_t es = cp.kind == TOKEN_DROP ? (cp.elem == F32 ? 4 : 2) : 1;
-  const int64_t kb = whole ? sh.D * es : sh.D * cp.bits / 8, vb = whole ? sh.Dv * es : sh.Dv * cp.bits / 8;
-  // float16 scales / zeros per (row, head): [k_scale, k_zero, v_scale, v_zero] widths
-  int64_t w[4] = {0, 0, 0, 0};
-  if (cp.kind == INT8 || cp.kind == FP8) w[0] = w[2] = 1;
-  if (cp.kind == KIVI) w[2] = w[3] = sh.Dv / cp.value_group;
-  if (cp.kind == KVQUANT) w[2] = w[3] = 1;
-  if (cp.kind == ROTATEKV) w[0] = w[1] = w[2] = w[3] = sh.D / cp.rt.group;
-  const uint16_t* sc[4] = {cp.k_scale, cp.k_zero, cp.v_scale, cp.v_zero};
-  for (int64_t a = a0; a < a1;) {
-    const int64_t id = ids[a / R], j0 = a % R, j1 = std::min(R, j0 + (a1 - a));
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t row = (id * R + j) * Hkv + hk0;
-      prefetch_bytes(cp.k, row * kb, nh * kb);
-      prefetch_bytes(cp.v, row * vb, nh * vb);
-    }
+// Asks for what the row loop will read of compressed row j of chunk id, KV heads hk0 .. hk0 + nh - 1:
+// its K / V codes (token-drop rows), its float16 scales / zeros, and at a chunk's (kivi: a key group's)
+// first row what the chunk shares: kivi's key scales / zeros, kvquant's per-channel key ranges, levels
+// and outlier lists (per-row scales: the chunk's, all at its first row). The row loop calls it
+// PREFETCH_ROWS rows ahead: without prefetches each row's load is waited on in turn (token-drop
+// drafting in bfloat16 at batch 16, context 1600 ran 2x slower on an AMD EPYC). One row at a time, as
+// the fixed-chunk kernel does: a whole chunk's rows asked for at once, or every row's scales, cost an
+// Intel Xeon (Sapphire Rapids) 10-15% on quantized rows against no prefetch at all (the prefetch
+// instructions themselves: such rows are a few dozen instructions each). Inlined: called out of line,
+// prefetches measured no gain.
+__attribute__((always_inline)) inline void prefetch_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
+                                                        int64_t hk0, int64_t nh) {
+  const int64_t R = cp.rows, Hkv = sh.Hkv, kb = cp.row_bytes[0], vb = cp.row_bytes[1];
+  const int64_t row = (id * R + j) * Hkv + hk0;
+  prefetch_bytes(cp.k, row * kb, nh * kb);
+  prefetch_bytes(cp.v, row * vb, nh * vb);
+  if (j == 0) {  // the chunk's per-row scales / zeros, every head's (a few lines)
+    const uint16_t* sc[4] = {cp.k_scale, cp.k_zero, cp.v_scale, cp.v_zero};
     for (int i = 0; i < 4; ++i)
-      if (w[i]) prefetch_bytes(sc[i], (id * R + j0) * Hkv * w[i] * 2, (j1 - j0) * Hkv * w[i] * 2);
-    a += j1 - j0;
+      if (cp.scale_width[i]) prefetch_bytes(sc[i], id * R * Hkv * cp.scale_width[i] * 2, R * Hkv * cp.scale_width[i] * 2);
+  }
+  if (cp.kind == KIVI && j % cp.key_group == 0) {
+    const int64_t at = ((id * (R / cp.key_group) + j / cp.key_group) * Hkv + hk0) * sh.D * 2;
+    prefetch_bytes(cp.k_scale, at, sh.D * 2);
+    prefetch_bytes(cp.k_zero, at, sh.D * 2);
+  } else if (cp.kind == KVQUANT && j == 0) {
+    const Rotated& rt = cp.rt;
+    prefetch_bytes(cp.k_scale, (id * Hkv + hk0) * sh.D * 2, sh.D * 2);
+    prefetch_bytes(cp.k_zero, (id * Hkv + hk0) * sh.D * 2, sh.D * 2);
+    prefetch_bytes(rt.k_levels, id * rt.num_levels * 2, rt.num_levels * 2);
+    prefetch_bytes(rt.v_levels, id * rt.num_levels * 2, rt.num_levels * 2);
+    const int64_t ib = rt.idx32 ? 4 : 2, vsz = rt.out_elem == F32 ? 4 : 2;
+    for (const void* p : {rt.k_out_idx, rt.v_out_idx}) prefetch_bytes(p, id * rt.n_out * ib, rt.n_out * ib);
+    for (const void* p : {rt.k_out_val, rt.v_out_val}) prefetch_bytes(p, id * rt.n_out * vsz, rt.n_out * vsz);
   }
 }
 
@@ -726,17 +736,22 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   std::fill(st.l.begin(), st.l.begin() + QH, 0.f);
   st.group_chunk = st.group = -1;
   int64_t chunk = 0, j = 0, group = 0, in_group = 0;  // cursor over the compressed rows
+  int64_t ahead_chunk = 0, ahead_j = 0;  // the next row to prefetch: PREFETCH_ROWS past the cursor
+  auto ahead = [&]() {
+    prefetch_row(cp, sh, ids[ahead_chunk], ahead_j, hk0, nh);
+    if (++ahead_j == cp.rows) ahead_j = 0, ++ahead_chunk;
+  };
+  for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
     const int64_t cn = std::min(CHUNK, n - c0), cn8 = (cn + VW - 1) / VW * VW;
-    if (c0 == 0) prefetch_rows(cp, sh, ids, 0, std::min(n_comp, CHUNK), hk0, nh);
-    prefetch_rows(cp, sh, ids, std::min(n_comp, c0 + CHUNK), std::min(n_comp, c0 + 2 * CHUNK), hk0, nh);
     for (int64_t c = 0; c < cn; ++c) {
       const int64_t i = c0 + c;
       float* kd = st.kbuf.data() + c * D;  // head hh's rows at + hh * CHUNK * D
       float* vd = st.vbuf.data() + c * Dv;
       if (i < n_comp) {
+        if (ahead_chunk < cp.lens[b]) ahead();
         if (cp.kind == ROTATEKV) {
           rotatekv_rows<TO>(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
           for (int64_t hh = 0; hh < nh; ++hh) kp[hh * CHUNK + c] = kd + hh * CHUNK * D, vp[hh * CHUNK + c] = vd + hh * CHUNK * Dv;
@@ -958,6 +973,14 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
     cp.v_scale = f16(comp[4], {nc, R, sh.Hkv, value_groups}, "v_scale");
     cp.v_zero = f16(comp[5], {nc, R, sh.Hkv, value_groups}, "v_zero");
   }
+  const bool whole = kind == TOKEN_DROP || kind == INT8 || kind == FP8;  // one element per channel
+  const int64_t es = kind == TOKEN_DROP ? (cp.elem == F32 ? 4 : 2) : 1;
+  cp.row_bytes[0] = whole ? sh.D * es : sh.D * bits / 8;
+  cp.row_bytes[1] = whole ? sh.Dv * es : sh.Dv * bits / 8;
+  if (kind == INT8 || kind == FP8) cp.scale_width[0] = cp.scale_width[2] = 1;
+  if (kind == KIVI) cp.scale_width[2] = cp.scale_width[3] = sh.Dv / cp.value_group;
+  if (kind == KVQUANT) cp.scale_width[2] = cp.scale_width[3] = 1;
+  if (kind == ROTATEKV) for (auto& w : cp.scale_width) w = sh.D / cp.rt.group;
   const int64_t* ids = cp.ids;
   for (int64_t i = 0; i < chunk_ids.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < nc, "draft_decode_attention: chunk id out of range");
