@@ -19,6 +19,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ATTN_AVX2 1
+#if defined(__AVX512F__)
+#define ATTN_AVX512 1  // 16-lane P.V accumulation: each lane's chain is the 8-lane code's
+#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -154,6 +157,19 @@ inline void dot4x2(const float* q0, const float* q1, const float* const* k, int6
 // acc[d0 : d0 + 8*NV] += sum over c < cn of p[c] * v[c][d0 : ...], keys in order.
 template <int NV>
 inline void pv_block(float* acc, const float* p, const float* const* v, int64_t cn, int64_t d0) {
+#ifdef ATTN_AVX512
+  if constexpr (NV % 2 == 0) {  // the same fused multiply-add per lane and key, 16 lanes a vector
+    __m512 a[NV / 2];
+    for (int j = 0; j < NV / 2; ++j) a[j] = _mm512_loadu_ps(acc + d0 + j * 16);
+    for (int64_t c = 0; c < cn; ++c) {
+      const __m512 pc = _mm512_set1_ps(p[c]);
+      const float* vr = v[c] + d0;
+      for (int j = 0; j < NV / 2; ++j) a[j] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(vr + j * 16), a[j]);
+    }
+    for (int j = 0; j < NV / 2; ++j) _mm512_storeu_ps(acc + d0 + j * 16, a[j]);
+    return;
+  }
+#endif
   vfloat a[NV];
   for (int j = 0; j < NV; ++j) a[j] = vload(acc + d0 + j * VW);
   for (int64_t c = 0; c < cn; ++c) {
@@ -280,6 +296,21 @@ inline void attend_chunk(const HeadState& h, const float* const* kp, const float
 // pv's arithmetic (one fused multiply-add per key and lane), each V vector loaded once for both.
 inline void pv2_block(float* acc0, float* acc1, const float* p0, const float* p1, const float* const* v, int64_t c_lo,
                       int64_t c_hi, int64_t d0) {
+#ifdef ATTN_AVX512
+  __m512 z[4];
+  for (int j = 0; j < 2; ++j) z[j] = _mm512_loadu_ps(acc0 + d0 + j * 16), z[2 + j] = _mm512_loadu_ps(acc1 + d0 + j * 16);
+  for (int64_t c = c_lo; c < c_hi; ++c) {
+    const __m512 x0 = _mm512_set1_ps(p0[c]), x1 = _mm512_set1_ps(p1[c]);
+    const float* vr = v[c] + d0;
+    for (int j = 0; j < 2; ++j) {
+      const __m512 vj = _mm512_loadu_ps(vr + j * 16);
+      z[j] = _mm512_fmadd_ps(x0, vj, z[j]);
+      z[2 + j] = _mm512_fmadd_ps(x1, vj, z[2 + j]);
+    }
+  }
+  for (int j = 0; j < 2; ++j) _mm512_storeu_ps(acc0 + d0 + j * 16, z[j]), _mm512_storeu_ps(acc1 + d0 + j * 16, z[2 + j]);
+  return;
+#endif
   vfloat a[8];
   for (int j = 0; j < 4; ++j) a[j] = vload(acc0 + d0 + j * VW), a[4 + j] = vload(acc1 + d0 + j * VW);
   for (int64_t c = c_lo; c < c_hi; ++c) {
