@@ -333,11 +333,13 @@ struct Scratch {
   std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l, ks, kz, vs, vz, pre, klv, vlv;
   std::vector<const float*> kp, vp;  // [nh][CHUNK] rows of the chunk being scored
   int64_t group_chunk = -1, group = -1;
-  int64_t k_cursor = 0, v_cursor = 0;  // kvquant: next outlier of the chunk being read
-  Scratch(const Shape& sh)
+  std::vector<float> k_patch, v_patch;  // kvquant: the chunk's outliers, dense [T, Hkv, D] (chunk_outliers)
+  std::vector<uint8_t> k_mask, v_mask;  // their bits
+  Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
-        klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK) {}
+        klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
+        v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4) {}
 };
 
 // ---- kvquant / rotatekv rows, each step rounded as the compressor's torch code rounds it
@@ -384,28 +386,42 @@ inline float exact_value(const void* base, Elem e, int64_t i) {
   return f;
 }
 
-// Writes the chunk's outliers that fall in flat [base, base + n) over x; *cursor walks the ascending
-// list (rows of one head are read in order, so it only moves forward).
-// (rounded to TO: values are stored as they come out of this)
-template <Elem TO, typename I>
-inline void put_outliers(const I* idx, const void* val, Elem e, int64_t n_out, int64_t* cursor, int64_t base,
-                         int64_t n, float* x) {
-  int64_t c = *cursor;
-  while (c < n_out && idx[c] < base) ++c;
-  for (; c < n_out && idx[c] < base + n; ++c) x[idx[c] - base] = rounded<TO>(exact_value(val, e, c));
-  *cursor = c;
+// kvquant's outliers of one chunk (K or V), scattered where they belong: patch[flat] = value and bit flat of
+// mask set, flat an index into the chunk's [T, Hkv, D]. The row loops merge them into their vectors by
+// masked loads before storing a row: no branch per row on how many outliers it holds (walking the list
+// row by row mispredicted on it, a quarter of kvquant's draft attention), no store over a stored row.
+template <typename I>
+inline void scatter_outliers(const I* idx, const void* vals, Elem e, int64_t n_out, float* patch, uint8_t* mask) {
+  for (int64_t c = 0; c < n_out; ++c) {
+    const int64_t flat = idx[c];
+    patch[flat] = exact_value(vals, e, c);
+    mask[flat >> 3] |= static_cast<uint8_t>(1u << (flat & 7));
+  }
 }
 
-template <Elem TO>
-inline void outliers(const Rotated& rt, bool key, int64_t id, int64_t base, int64_t n, float* x, Scratch& st) {
+inline void chunk_outliers(const Rotated& rt, bool key, int64_t id, float* patch, std::vector<uint8_t>& mask) {
+  std::fill(mask.begin(), mask.end(), 0);
   const void* idx = key ? rt.k_out_idx : rt.v_out_idx;
-  const void* val = static_cast<const char*>(key ? rt.k_out_val : rt.v_out_val) +
-                    id * rt.n_out * (rt.out_elem == F32 ? 4 : 2);
-  int64_t* cur = key ? &st.k_cursor : &st.v_cursor;
+  const void* vals = static_cast<const char*>(key ? rt.k_out_val : rt.v_out_val) +
+                     id * rt.n_out * (rt.out_elem == F32 ? 4 : 2);
   if (rt.idx32)
-    put_outliers<TO>(static_cast<const int32_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+    scatter_outliers(static_cast<const int32_t*>(idx) + id * rt.n_out, vals, rt.out_elem, rt.n_out, patch, mask.data());
   else
-    put_outliers<TO>(static_cast<const int16_t*>(idx) + id * rt.n_out, val, rt.out_elem, rt.n_out, cur, base, n, x);
+    scatter_outliers(static_cast<const int16_t*>(idx) + id * rt.n_out, vals, rt.out_elem, rt.n_out, patch, mask.data());
+}
+
+// Bits [f, f + n) of mask (n <= 16; the mask has 4 bytes of padding).
+inline uint32_t mask_bits(const uint8_t* mask, int64_t f, int n) {
+  uint32_t w;
+  std::memcpy(&w, mask + (f >> 3), sizeof(w));
+  return (w >> (f & 7)) & ((1u << n) - 1);
+}
+
+// x with the lanes set in bits (of 8) taken from p.
+inline vfloat merge8(vfloat x, const float* p, uint32_t bits) {
+  if (!bits) return x;
+  const vint lane = {1, 2, 4, 8, 16, 32, 64, 128};
+  return ((vint{} + static_cast<int32_t>(bits)) & lane) != 0 ? vload(p) : x;
 }
 
 // out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate), rounded to TO;
@@ -538,19 +554,20 @@ inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, i
   return table + p * D;
 }
 
-// kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers written back, RoPE on the key;
+// kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers merged in, RoPE on the key;
 // both rounded to TO.
 template <int BITS, Elem TO>
 void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk, float* kd, float* vd,
                  Scratch& st) {
   const Rotated& rt = cp.rt;
   const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv, L = rt.num_levels;
-  if (j == 0) {  // a new chunk: its levels and per-channel key ranges, outlier lists from the start
+  if (j == 0) {  // a new chunk: its levels, per-channel key ranges and outliers
     halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
     halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
     halves_to_float(cp.k_scale + (id * Hkv + hk) * D, st.ks.data(), D);
     halves_to_float(cp.k_zero + (id * Hkv + hk) * D, st.kz.data(), D);
-    st.k_cursor = st.v_cursor = 0;
+    chunk_outliers(rt, true, id, st.k_patch.data(), st.k_mask);
+    chunk_outliers(rt, false, id, st.v_patch.data(), st.v_mask);
   }
   const int64_t row = (id * R + j) * Hkv + hk, nb = D * BITS / 8;
   const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + row * nb;
@@ -561,6 +578,9 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
   const float* ks = st.ks.data();
   const float* kz = st.kz.data();
   const float vsc = half_to_float(cp.v_scale[row]), vz = half_to_float(cp.v_zero[row]);
+  const int64_t base = (j * Hkv + hk) * D;  // the row's flat offset in the chunk's outlier patches
+  const float* kpat = st.k_patch.data() + base;
+  const float* vpat = st.v_patch.data() + base;
   int64_t d = 0;
 #ifdef DRAFT_AVX512
   // one 16-entry permute per 16 codes (levels past the count are never picked)
@@ -575,18 +595,21 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
       kq = codes16<BITS>(kc, d);
       vq = codes16<BITS>(vc, d);
     }
-    _mm512_storeu_ps(x + d, _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq, kl16), _mm512_loadu_ps(ks + d)),
-                                          _mm512_loadu_ps(kz + d)));
-    _mm512_storeu_ps(vd + d, rounded<TO>(_mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(vq, vl16), vsc16), vz16)));
+    const __m512 kx = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq, kl16), _mm512_loadu_ps(ks + d)),
+                                    _mm512_loadu_ps(kz + d));
+    const __m512 vx = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(vq, vl16), vsc16), vz16);
+    const __mmask16 km = mask_bits(st.k_mask.data(), base + d, 16), vm = mask_bits(st.v_mask.data(), base + d, 16);
+    _mm512_storeu_ps(x + d, _mm512_mask_loadu_ps(kx, km, kpat + d));
+    _mm512_storeu_ps(vd + d, rounded<TO>(_mm512_mask_loadu_ps(vx, vm, vpat + d)));
   }
 #endif
   for (; d < D; d += VW) {
-    vstore(x + d, lookup(klo, khi, code_ints<BITS>(kc, d)) * vload(ks + d) + vload(kz + d));
-    vstore(vd + d, rounded<TO>(lookup(vlo, vhi, code_ints<BITS>(vc, d)) * vsc + vz));
+    const vfloat kx = lookup(klo, khi, code_ints<BITS>(kc, d)) * vload(ks + d) + vload(kz + d);
+    const vfloat vx = lookup(vlo, vhi, code_ints<BITS>(vc, d)) * vsc + vz;
+    vstore(x + d, merge8(kx, kpat + d, mask_bits(st.k_mask.data(), base + d, VW)));
+    vstore(vd + d, rounded<TO>(merge8(vx, vpat + d, mask_bits(st.v_mask.data(), base + d, VW))));
   }
-  outliers<F32>(rt, true, id, (j * Hkv + hk) * D, D, x, st);
   rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
-  outliers<TO>(rt, false, id, (j * Hkv + hk) * D, D, vd, st);
 }
 
 // rotatekv row j of chunk id for the heads hk0.. of one Hadamard group (key_heads of them when block == D,
@@ -994,7 +1017,7 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const int64_t nh = kind == ROTATEKV && cp.rt.block == sh.D ? cp.rt.key_heads : 1, per = sh.Hkv / nh;
   with_rounding(cp.round_to, [&](auto to) {
     at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
-      Scratch st(sh);
+      Scratch st(sh, kind == KVQUANT ? cp.rows : 0);
       for (int64_t w = begin; w < end; ++w)
         attend_item<decltype(to)::value>(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
     });
