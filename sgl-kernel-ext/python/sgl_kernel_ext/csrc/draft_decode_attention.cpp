@@ -434,8 +434,8 @@ inline void rope_row(const float* x, const float* c, const float* s, float* out,
 #ifdef DRAFT_AVX512
     for (; d + 16 <= h; d += 16) {
       const __m512 a = _mm512_loadu_ps(x + d), b = _mm512_loadu_ps(x + d + h);
-      const __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)),
-                                      _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), _mm512_loadu_ps(s + d)));
+      // a*c + (-b)*s as a*c - b*s: (-b)*s is -(b*s) exactly, and x + (-y) is x - y
+      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)), _mm512_mul_ps(b, _mm512_loadu_ps(s + d)));
       const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + d + h)), _mm512_mul_ps(a, _mm512_loadu_ps(s + d + h)));
       _mm512_storeu_ps(out + d, rounded<TO>(lo));
       _mm512_storeu_ps(out + d + h, rounded<TO>(hi));
