@@ -473,6 +473,42 @@ inline vfloat fwht8(vfloat v) {
   return __builtin_shuffle(a + b, a - b, vidx{0, 1, 2, 3, 12, 13, 14, 15});
 }
 
+#ifdef DRAFT_AVX512
+// Butterflies at strides 1, 2, 4, 8 within 16 lanes: lane i takes x[i & ~h] + x[i | h] where bit h of i is
+// clear, x[i & ~h] - x[i | h] where it is set (fwht's (a, b) -> (a + b, a - b)).
+inline __m512 fwht16(__m512 v) {
+  for (int h = 1; h < 16; h *= 2) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i hv = _mm512_set1_epi32(h);
+    const __m512 a = _mm512_permutexvar_ps(_mm512_andnot_si512(hv, lane), v);
+    const __m512 b = _mm512_permutexvar_ps(_mm512_or_si512(hv, lane), v);
+    v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(lane, hv), _mm512_add_ps(a, b), _mm512_sub_ps(a, b));
+  }
+  return v;
+}
+
+// fwht of NV 16-lane vectors (n = 16 NV) held in registers.
+template <int NV, Elem TO>
+inline void fwht_regs16(float* x, float f) {
+  __m512 v[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) v[i] = fwht16(_mm512_loadu_ps(x + i * 16));
+#pragma GCC unroll 16
+  for (int h = 1; h < NV; h *= 2)
+#pragma GCC unroll 16
+    for (int s = 0; s < NV; s += 2 * h)
+#pragma GCC unroll 16
+      for (int i = s; i < s + h; ++i) {
+        const __m512 a = v[i], b = v[i + h];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + h] = _mm512_sub_ps(a, b);
+      }
+  const __m512 f16 = _mm512_set1_ps(f);
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(x + i * 16, rounded<TO>(_mm512_mul_ps(v[i], f16)));
+}
+#endif
+
 // fwht of NV vectors (n = 8 NV) held in registers: the same butterflies, no store between strides.
 template <int NV, Elem TO>
 inline void fwht_regs(float* x, float f) {
@@ -513,10 +549,17 @@ inline void fwht(float* x, int64_t n) {
   }
   switch (n) {  // the head dims of real models (and 2 heads of them): in registers
     case 8: return fwht_regs<1, TO>(x, f);
+#ifdef DRAFT_AVX512
+    case 16: return fwht_regs16<1, TO>(x, f);
+    case 32: return fwht_regs16<2, TO>(x, f);
+    case 64: return fwht_regs16<4, TO>(x, f);
+    case 128: return fwht_regs16<8, TO>(x, f);
+#else
     case 16: return fwht_regs<2, TO>(x, f);
     case 32: return fwht_regs<4, TO>(x, f);
     case 64: return fwht_regs<8, TO>(x, f);
     case 128: return fwht_regs<16, TO>(x, f);
+#endif
     default: break;
   }
   for (int64_t i = 0; i < n; i += VW) vstore(x + i, fwht8(vload(x + i)));
