@@ -11,8 +11,14 @@ VeriCache verify pass.
   M = 16; bfloat16 is invariant there as it is). Rows are therefore computed in blocks: the plain
   call where it is invariant, else one call over the rows padded to a multiple of the block, else one
   call per block. `choose_linear_mode` probes the model's own shapes once at start (every batch size
-  up to 40 and larger ones up to MAX_CALL_ROWS, two offsets, one thread and the current number) and picks the cheapest
-  mode that is invariant on this CPU; if none is, the server refuses to start.
+  up to 40 and larger ones up to MAX_CALL_ROWS, two offsets, every row alone and in windows of 2-8,
+  one thread and the current number) and picks the cheapest mode that is invariant on this CPU; if
+  none is, the server refuses to start. On a CPU with native half-precision dot products (AVX512-BF16,
+  AMX, AVX512-FP16) bfloat16 / float16 products are only ever computed one block of BLOCK_ROWS rows per
+  call ("blocked"), invariant by construction (every call the same shape): there oneDNN picks another
+  kernel by row count, and a Sapphire Rapids Xeon's one-row kernel rounds about one output in 30 000
+  differently from its many-row kernel, too rarely for a probe to be sure of seeing it (the probe saw
+  none; a 32-request bfloat16 run flipped a logprob).
 - Element-wise ops: torch's vectorized loops finish each thread's range with scalar code, and
   float32 silu's scalar and vector paths differ in ~4% of inputs (exp does not); `silu_and_mul`
   uses x / (1 + exp(-x)) in float32.
@@ -45,7 +51,9 @@ logger = logging.getLogger(__name__)
 # (name, rows per block), cheapest first. "plain": the library call as it is (some CPUs' kernels are
 # already row-invariant for some dtypes, e.g. bfloat16 on AVX2); "padded": rows padded to a multiple
 # of the block, one call; "blocked": one call per block.
-MODES = (("plain", 1), ("padded", 4), ("padded", 8), ("padded", 16), ("blocked", 16))
+BLOCK_ROWS = 16
+MODES = (("plain", 1), ("padded", 4), ("padded", 8), ("padded", BLOCK_ROWS), ("blocked", BLOCK_ROWS))
+PROBE_VERSION = 2  # part of the probe cache's keys: answers of an older probe are not reused
 PROBE_ROWS = (*range(1, 41), 47, 64, 65, 100, 127, 128, 200, 255, 256, 333, 511, 512)  # row counts probed
 MAX_CALL_ROWS = 512  # larger inputs are computed in calls of this many rows (within the probed sizes)
 TRITON_MODE = ("triton", 0)  # sgl_kernel_ext.batch_invariant_matmul (the triton backend's linear mode)
@@ -98,6 +106,10 @@ def _invariant(weight: torch.Tensor, bias: torch.Tensor | None, mode: tuple[str,
                 for start in (0, 3) if m + 3 <= len(x) else (0,):
                     if not torch.equal(linear(x[start : start + m], weight, bias, mode), ref[start : start + m]):
                         return False
+            for m in range(1, 9):  # decode-sized calls: every row alone, in windows of 2-8
+                for start in range(0, len(x) - m + 1, m):
+                    if not torch.equal(linear(x[start : start + m], weight, bias, mode), ref[start : start + m]):
+                        return False
     finally:
         torch.set_num_threads(threads)
     return True
@@ -119,6 +131,8 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
     """The first of MODES that is row-invariant for every distinct linear shape of the model (calls
     never exceed MAX_CALL_ROWS rows, the largest size probed). Answers are remembered per machine in
     _cache_path(): probes of a large model's shapes take seconds."""
+    from sglang_vericache.layers.half_gemm import cpu_has_native
+
     shapes = {}  # (shape, bias, product dtype) -> (weight, bias) as the products see them (layers/half_gemm.py)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
@@ -133,7 +147,9 @@ def choose_linear_mode(model: torch.nn.Module) -> tuple[str, int]:
 
     def invariant(wb: tuple[torch.Tensor, torch.Tensor | None], mode: tuple[str, int]) -> bool:
         w, b = wb
-        key = f"{machine}|{tuple(w.shape)}|{b is not None}|{w.dtype}|{mode}"
+        if w.dtype in (torch.bfloat16, torch.float16) and mode[0] != "blocked" and cpu_has_native(w.dtype):
+            return False  # see the module docstring: only one shape per call is safe there
+        key = f"{machine}|v{PROBE_VERSION}|{tuple(w.shape)}|{b is not None}|{w.dtype}|{mode}"
         if key not in cache:
             cache[key] = _invariant(w, b, mode)
         return cache[key]
