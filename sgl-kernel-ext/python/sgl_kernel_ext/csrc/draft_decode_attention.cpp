@@ -487,46 +487,34 @@ inline __m512 fwht16(__m512 v) {
   return v;
 }
 
-// fwht of NV 16-lane vectors (n = 16 NV) held in registers.
-template <int NV, Elem TO>
-inline void fwht_regs16(float* x, float f) {
-  __m512 v[NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) v[i] = fwht16(_mm512_loadu_ps(x + i * 16));
-#pragma GCC unroll 16
-  for (int h = 1; h < NV; h *= 2)
-#pragma GCC unroll 16
-    for (int s = 0; s < NV; s += 2 * h)
-#pragma GCC unroll 16
-      for (int i = s; i < s + h; ++i) {
-        const __m512 a = v[i], b = v[i + h];
-        v[i] = _mm512_add_ps(a, b);
-        v[i + h] = _mm512_sub_ps(a, b);
-      }
-  const __m512 f16 = _mm512_set1_ps(f);
-#pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(x + i * 16, rounded<TO>(_mm512_mul_ps(v[i], f16)));
-}
 #endif
 
-// fwht of NV vectors (n = 8 NV) held in registers: the same butterflies, no store between strides.
-template <int NV, Elem TO>
-inline void fwht_regs(float* x, float f) {
-  vfloat v[NV];
+// fwht of NV vectors of V (8 or 16 floats) held in registers: within(v) does the strides inside one vector
+// (fwht8 / fwht16), then the wider strides across vectors: the same butterflies, no store between strides.
+template <typename V, int NV, Elem TO, typename Within>
+inline void fwht_regs(float* x, float f, Within within) {
+  constexpr int L = sizeof(V) / sizeof(float);
+  V v[NV];
 #pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) v[i] = fwht8(vload(x + i * VW));
+  for (int i = 0; i < NV; ++i) {
+    std::memcpy(&v[i], x + i * L, sizeof(V));
+    v[i] = within(v[i]);
+  }
 #pragma GCC unroll 16
   for (int h = 1; h < NV; h *= 2)
 #pragma GCC unroll 16
     for (int s = 0; s < NV; s += 2 * h)
 #pragma GCC unroll 16
       for (int i = s; i < s + h; ++i) {
-        const vfloat a = v[i], b = v[i + h];
+        const V a = v[i], b = v[i + h];
         v[i] = a + b;
         v[i + h] = a - b;
       }
 #pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) vstore(x + i * VW, rounded<TO>(v[i] * f));
+  for (int i = 0; i < NV; ++i) {
+    const V r = rounded<TO>(v[i] * f);
+    std::memcpy(x + i * L, &r, sizeof(V));
+  }
 }
 
 // rotatekv.fwht: orthonormal Walsh-Hadamard over n (a power of two) values, butterflies
@@ -548,17 +536,17 @@ inline void fwht(float* x, int64_t n) {
     return;
   }
   switch (n) {  // the head dims of real models (and 2 heads of them): in registers
-    case 8: return fwht_regs<1, TO>(x, f);
+    case 8: return fwht_regs<vfloat, 1, TO>(x, f, fwht8);
 #ifdef DRAFT_AVX512
-    case 16: return fwht_regs16<1, TO>(x, f);
-    case 32: return fwht_regs16<2, TO>(x, f);
-    case 64: return fwht_regs16<4, TO>(x, f);
-    case 128: return fwht_regs16<8, TO>(x, f);
+    case 16: return fwht_regs<__m512, 1, TO>(x, f, fwht16);
+    case 32: return fwht_regs<__m512, 2, TO>(x, f, fwht16);
+    case 64: return fwht_regs<__m512, 4, TO>(x, f, fwht16);
+    case 128: return fwht_regs<__m512, 8, TO>(x, f, fwht16);
 #else
-    case 16: return fwht_regs<2, TO>(x, f);
-    case 32: return fwht_regs<4, TO>(x, f);
-    case 64: return fwht_regs<8, TO>(x, f);
-    case 128: return fwht_regs<16, TO>(x, f);
+    case 16: return fwht_regs<vfloat, 2, TO>(x, f, fwht8);
+    case 32: return fwht_regs<vfloat, 4, TO>(x, f, fwht8);
+    case 64: return fwht_regs<vfloat, 8, TO>(x, f, fwht8);
+    case 128: return fwht_regs<vfloat, 16, TO>(x, f, fwht8);
 #endif
     default: break;
   }
