@@ -222,11 +222,16 @@ def test_quantized_draft_step_equals_exact_decode_over_the_dequantized_kv(runner
 
 
 def test_bfloat16_model_reads_float32_dequantized_rows_like_its_own_pool(checkpoint):
-    """bf16 runner: dequantized rows are cast to bf16 in the context, as the exact pool stores them.
-    The two paths pad the context differently, and bf16 attention's accumulation order depends on
-    the padded length and the thread count (measured 0 at 2 threads, 3 ulps at 1): allowed 4 bf16
-    ulps at |logit| < 16."""
-    logits, _, deq = quantized_draft_step(make_runner(checkpoint, "bfloat16"), "int8")
+    """bf16 runner, the torch path: dequantized rows are cast to bf16 in the context, as the exact pool
+    stores them. The two paths pad the context differently, and bf16 attention's accumulation order
+    depends on the padded length and the thread count (measured 0 at 2 threads, 3 ulps at 1): allowed
+    4 bf16 ulps at |logit| < 16. (The fused kernel reads the rows in float32: the test below.)"""
+    runner = make_runner(checkpoint, "bfloat16")
+    runner.attn_backend.fused_draft = False
+    try:
+        logits, _, deq = quantized_draft_step(runner, "int8")
+    finally:
+        runner.attn_backend.fused_draft = None
     assert logits.dtype == torch.float32
     assert (logits - deq).abs().max().item() <= 4 * 2**-4
 
@@ -343,9 +348,15 @@ def test_without_the_kernel_drafting_takes_the_torch_path_with_a_warning(runner,
 
 
 @pytest.mark.parametrize("compressor", ["knorm", "kivi4"])
-def test_fused_kernel_in_bfloat16_reads_the_rows_the_torch_path_reads(checkpoint, compressor):
-    """bf16 attention of one layer, same q / k / v: both paths read dequantized rows rounded to bf16;
-    they differ by the torch path's bf16 arithmetic only (within 2 bf16 ulps of the output)."""
+def test_fused_kernel_in_bfloat16_reads_dequantized_rows_in_float32(checkpoint, compressor, monkeypatch):
+    """bf16 attention of one layer, same q / k / v: the kernel reads dequantized rows in float32 (the
+    compressor's own values, not rounded to the model's dtype as the torch path's context holds them);
+    its output is that attention cast to bf16. Asked to round the rows to bf16, the same call gives the
+    torch path's output up to the torch path's bf16 arithmetic (within 2 bf16 ulps of the output)."""
+    import sgl_kernel_ext.cpu_draft_attention as cda
+
+    calls, kernel = [], cda.draft_decode_attention
+    monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(a) or kernel(*a))
     runner = make_runner(checkpoint, "bfloat16")
     fb, reqs = draft_batch(runner, compressor)
     fb.req_to_token_pool, fb.token_to_kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
@@ -355,9 +366,15 @@ def test_fused_kernel_in_bfloat16_reads_the_rows_the_torch_path_reads(checkpoint
                for n in (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads))
     backend.init_forward_metadata(fb)
     fused, torch_path = both_paths(runner, lambda: backend.forward(q, k, v, attn, fb))
+    (args,) = calls
+    assert args[-1] is torch.float32  # round_to
+    as_pool = kernel(*args[:-1], torch.bfloat16).to(torch.bfloat16).reshape(fused.shape)
     release(runner, reqs)
     assert fused.dtype == torch.bfloat16
-    torch.testing.assert_close(fused.float(), torch_path.float(), rtol=2**-7, atol=2**-8)
+    assert torch.equal(fused, kernel(*args).to(torch.bfloat16).reshape(fused.shape))
+    if compressor != "knorm":  # token-dropped rows are the pool's own: never rounded, the same either way
+        assert not torch.equal(fused, as_pool)
+    torch.testing.assert_close(as_pool.float(), torch_path.float(), rtol=2**-7, atol=2**-8)
 
 
 # ------------------------------------------------------------------ contract

@@ -6,7 +6,9 @@ kvquant 2-4 bit (non-uniform levels, exact outliers, pre-RoPE keys) / rotatekv 2
 basis, pre-RoPE keys) codes dequantized row by row in float32 inside the kernel, with the
 compressors' own arithmetic (RoPE from the compressor's own cos / sin table, the Walsh-Hadamard
 butterflies in rotatekv.fwht's order: the rows
-equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory. The
+equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory (rotatekv
+with float32 rows: its value rows' inverse transform is applied once to their weighted sum, equal to
+float32 rounding). The
 reduction is batch invariant: each (request, KV head) goes over its keys in order, 64 at a time,
 float32 online softmax; a row's output does not depend on the batch, other rows, padding or the
 thread count.

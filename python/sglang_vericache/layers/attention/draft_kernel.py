@@ -5,11 +5,13 @@ stored: token-dropped rows as kept, quantized codes (int8, fp8, kivi 2/4, kvquan
 and a dropper followed by any of them) dequantized inside the kernel, with no gathered or
 dequantized copy of the context (kvquant / rotatekv: RoPE is put back on the pre-RoPE keys with
 the compressor's own cos / sin table, rotatekv's Hadamard transform undone row by row). Its reduction is batch invariant
-(fixed 64-key chunks in key order, float32 online softmax) and its dequantized rows equal the
-compressors' decompress() rounded to q's dtype (what the torch path's context holds), so it agrees
-with the torch path (torch_backend._forward_draft:
-gathers, dequantized copies and SDPA, or the fixed-chunk kernel under deterministic inference) to
-float32 rounding. Drafts are checked by the verifier, so that is all the agreement they need.
+(fixed 64-key chunks in key order, float32 online softmax) and its dequantized rows are the
+compressors' decompress() rows in float32, not rounded to q's dtype: in a bfloat16 / float16 model
+the torch path (torch_backend._forward_draft: gathers, dequantized copies and SDPA, or the
+fixed-chunk kernel under deterministic inference) holds them in that dtype, so the two paths differ
+by that rounding (the kernel's rows are the closer to the compressor's values; rounding them cost
+bfloat16 drafting ~10% on a Xeon). Drafts are checked by the verifier, so the output is full mode's
+either way.
 
 The torch backend takes this path for every DRAFT_DECODE layer on a CPU when the kernel builds
 (once, cached per source and CPU like the deterministic kernel) and the layer's layout is one it
@@ -99,6 +101,6 @@ def fused_draft_attention(
     if md.draft_index is not None:
         dp = ctx.draft_pool
         draft = (dp.get_key_buffer(lid), dp.get_value_buffer(lid), md.draft_index, md.draft_lens)
-    # Dequantized rows are read in q's dtype, as the torch path's context holds them.
-    out = draft_decode_attention(q, comp, md.chunk_ids, md.chunk_lens, tail, draft, layer.scaling, q.dtype)
+    # Dequantized rows are read in float32 (not rounded to q's dtype: the module docstring).
+    out = draft_decode_attention(q, comp, md.chunk_ids, md.chunk_lens, tail, draft, layer.scaling, torch.float32)
     return out.to(q.dtype).reshape(q.shape[0], -1)

@@ -5,7 +5,8 @@
 // buffer, in float32, with the compressor's own arithmetic (code * scale [+ zero], each step
 // rounded: the file is built with -ffp-contract=off), so the rows equal compressor.decompress()
 // bitwise; with round_to they are rounded to bfloat16 / float16 in registers as they are stored, as
-// a context held in that dtype stores them. Nothing is expanded in memory beyond one chunk of 64
+// a context held in that dtype stores them (the model passes none: float32 rows). rotatekv with float32
+// rows: the values' inverse transform is applied to their weighted sum (attend_item). Nothing is expanded in memory beyond one chunk of 64
 // keys per thread. Under AVX-512 rows are dequantized 16 values at a time (the arithmetic is
 // elementwise: the same values).
 //
@@ -474,17 +475,19 @@ inline vfloat fwht8(vfloat v) {
 }
 
 #ifdef DRAFT_AVX512
-// Butterflies at strides 1, 2, 4, 8 within 16 lanes: lane i takes x[i & ~h] + x[i | h] where bit h of i is
-// clear, x[i & ~h] - x[i | h] where it is set (fwht's (a, b) -> (a + b, a - b)).
+// Butterflies at strides 1, 2, 4, 8 within 16 lanes: lane i takes x[i] + x[i ^ h] where bit h of i is
+// clear, x[i ^ h] - x[i] where it is set (fwht's (a, b) -> (a + b, a - b)). One swap of the lanes at
+// distance h and one fma(v, +-1, swapped) per stride: v * +-1 is exact, so the fma rounds once, as the
+// addition or subtraction does (the same value, signed zeros included).
 inline __m512 fwht16(__m512 v) {
-  for (int h = 1; h < 16; h *= 2) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i hv = _mm512_set1_epi32(h);
-    const __m512 a = _mm512_permutexvar_ps(_mm512_andnot_si512(hv, lane), v);
-    const __m512 b = _mm512_permutexvar_ps(_mm512_or_si512(hv, lane), v);
-    v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(lane, hv), _mm512_add_ps(a, b), _mm512_sub_ps(a, b));
-  }
-  return v;
+  const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+  const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+  const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+  const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  v = _mm512_fmadd_ps(v, s1, _mm512_permute_ps(v, 0xB1));        // lanes (1, 0, 3, 2) in each 128 bits
+  v = _mm512_fmadd_ps(v, s2, _mm512_permute_ps(v, 0x4E));        // (2, 3, 0, 1)
+  v = _mm512_fmadd_ps(v, s4, _mm512_shuffle_f32x4(v, v, 0xB1));  // 128-bit blocks (1, 0, 3, 2)
+  return _mm512_fmadd_ps(v, s8, _mm512_shuffle_f32x4(v, v, 0x4E));  // (2, 3, 0, 1)
 }
 
 #endif
@@ -645,7 +648,8 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
 
 // rotatekv row j of chunk id for the heads hk0.. of one Hadamard group (key_heads of them when block == D,
 // else one): min-max codes in the rotated basis, the transform back, RoPE on the keys. Head hh's key row
-// goes to kd + hh * stride, its value row to vd + hh * stride_v; both rounded to TO.
+// goes to kd + hh * stride, its value row to vd + hh * stride_v; both rounded to TO. Value rows read in
+// float32 (TO == F32) stay in the rotated basis: attend_item transforms their weighted sum instead.
 template <Elem TO>
 void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, int64_t nh, float* kd,
                    float* vd, int64_t stride, int64_t stride_v, Scratch& st) {
@@ -666,7 +670,8 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
     float* v = vd + hh * stride_v;
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
-    for (int64_t b = 0; b < D; b += rt.block) fwht<TO>(v + b, rt.block);
+    if constexpr (TO != F32)
+      for (int64_t b = 0; b < D; b += rt.block) fwht<TO>(v + b, rt.block);
   }
 }
 
@@ -772,6 +777,12 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
 // (nh > 1: one rotatekv Hadamard group, whose key rows are transformed together). Query head
 // qi = hh * G + g of the item reads KV head hk0 + hh; its arithmetic does not depend on nh.
 // Dequantized rows are rounded to TO (cp.round_to).
+//
+// rotatekv with float32 rows: the transform back of its value rows is linear, so it is applied once to
+// the weighted sum of the compressed rows' values (per query head, after the last compressed row: the
+// 64-key chunks stop there) instead of to every row; the tail and draft rows come after, in their own
+// basis. The result equals attention over decompress()'s rows to float32 rounding (not bitwise: the sum is
+// rounded in the other basis); a single key is still its row bitwise (its weight is exactly 1).
 template <Elem TO>
 void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
                  float scale, int64_t b, int64_t hk0, int64_t nh, float* out, Scratch& st) {
@@ -798,8 +809,10 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
-  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
-    const int64_t cn = std::min(CHUNK, n - c0), cn8 = (cn + VW - 1) / VW * VW;
+  const bool fold = TO == F32 && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
+  for (int64_t c0 = 0, cn = 0; c0 < n; c0 += cn) {
+    cn = std::min(CHUNK, (fold && c0 < n_comp ? n_comp : n) - c0);
+    const int64_t cn8 = (cn + VW - 1) / VW * VW;
     for (int64_t c = 0; c < cn; ++c) {
       const int64_t i = c0 + c;
       float* kd = st.kbuf.data() + c * D;  // head hh's rows at + hh * CHUNK * D
@@ -832,6 +845,9 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       attend_chunk({st.qf.data() + qi * D, st.s.data(), &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv}, kp + hh * CHUNK,
                    vp + hh * CHUNK, cn, D, Dv);
     }
+    if (fold && c0 + cn == n_comp)
+      for (int64_t qi = 0; qi < QH; ++qi)
+        for (int64_t b = 0; b < Dv; b += cp.rt.block) fwht<F32>(st.acc.data() + qi * Dv + b, cp.rt.block);
   }
   for (int64_t qi = 0; qi < QH; ++qi) {
     float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
