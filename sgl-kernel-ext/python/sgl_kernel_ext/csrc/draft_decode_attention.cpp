@@ -492,6 +492,38 @@ inline __m512 fwht16(__m512 v) {
 
 #endif
 
+// fwht8 / fwht16 as types, so fwht_regs's calls of them are inlined (as function pointers they were not).
+struct Fwht8 {
+  vfloat operator()(vfloat v) const { return fwht8(v); }
+};
+#ifdef DRAFT_AVX512
+struct Fwht16 {
+  __m512 operator()(__m512 v) const { return fwht16(v); }
+};
+#endif
+
+// The butterflies at stride H (in vectors) over v[0, NV): v[i], v[i + H] -> a + b, a - b where bit H of i
+// is clear. Indices are constants (template recursion, not loops) so the vectors stay in registers.
+template <typename V, int NV, int H, int I = 0>
+__attribute__((always_inline)) inline void fwht_stride(V* v) {
+  if constexpr (I < NV) {
+    if constexpr ((I & H) == 0) {
+      const V a = v[I], b = v[I + H];
+      v[I] = a + b;
+      v[I + H] = a - b;
+    }
+    fwht_stride<V, NV, H, I + 1>(v);
+  }
+}
+
+template <typename V, int NV, int H = 1>
+__attribute__((always_inline)) inline void fwht_strides(V* v) {
+  if constexpr (H < NV) {
+    fwht_stride<V, NV, H>(v);
+    fwht_strides<V, NV, 2 * H>(v);
+  }
+}
+
 // fwht of NV vectors of V (8 or 16 floats) held in registers: within(v) does the strides inside one vector
 // (fwht8 / fwht16), then the wider strides across vectors: the same butterflies, no store between strides.
 template <typename V, int NV, Elem TO, typename Within>
@@ -503,16 +535,7 @@ inline void fwht_regs(float* x, float f, Within within) {
     std::memcpy(&v[i], x + i * L, sizeof(V));
     v[i] = within(v[i]);
   }
-#pragma GCC unroll 16
-  for (int h = 1; h < NV; h *= 2)
-#pragma GCC unroll 16
-    for (int s = 0; s < NV; s += 2 * h)
-#pragma GCC unroll 16
-      for (int i = s; i < s + h; ++i) {
-        const V a = v[i], b = v[i + h];
-        v[i] = a + b;
-        v[i + h] = a - b;
-      }
+  fwht_strides<V, NV>(v);
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) {
     const V r = rounded<TO>(v[i] * f);
@@ -539,17 +562,17 @@ inline void fwht(float* x, int64_t n) {
     return;
   }
   switch (n) {  // the head dims of real models (and 2 heads of them): in registers
-    case 8: return fwht_regs<vfloat, 1, TO>(x, f, fwht8);
+    case 8: return fwht_regs<vfloat, 1, TO>(x, f, Fwht8{});
 #ifdef DRAFT_AVX512
-    case 16: return fwht_regs<__m512, 1, TO>(x, f, fwht16);
-    case 32: return fwht_regs<__m512, 2, TO>(x, f, fwht16);
-    case 64: return fwht_regs<__m512, 4, TO>(x, f, fwht16);
-    case 128: return fwht_regs<__m512, 8, TO>(x, f, fwht16);
+    case 16: return fwht_regs<__m512, 1, TO>(x, f, Fwht16{});
+    case 32: return fwht_regs<__m512, 2, TO>(x, f, Fwht16{});
+    case 64: return fwht_regs<__m512, 4, TO>(x, f, Fwht16{});
+    case 128: return fwht_regs<__m512, 8, TO>(x, f, Fwht16{});
 #else
-    case 16: return fwht_regs<vfloat, 2, TO>(x, f, fwht8);
-    case 32: return fwht_regs<vfloat, 4, TO>(x, f, fwht8);
-    case 64: return fwht_regs<vfloat, 8, TO>(x, f, fwht8);
-    case 128: return fwht_regs<vfloat, 16, TO>(x, f, fwht8);
+    case 16: return fwht_regs<vfloat, 2, TO>(x, f, Fwht8{});
+    case 32: return fwht_regs<vfloat, 4, TO>(x, f, Fwht8{});
+    case 64: return fwht_regs<vfloat, 8, TO>(x, f, Fwht8{});
+    case 128: return fwht_regs<vfloat, 16, TO>(x, f, Fwht8{});
 #endif
     default: break;
   }
