@@ -669,10 +669,14 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
   rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
 }
 
+// rotatekv with float32 rows (TO == F32): value rows stay in the rotated basis, and attend_item transforms
+// their weighted sum instead (the transform is linear). Rounded rows are transformed one by one.
+template <Elem TO>
+constexpr bool folds_values = TO == F32;
+
 // rotatekv row j of chunk id for the heads hk0.. of one Hadamard group (key_heads of them when block == D,
 // else one): min-max codes in the rotated basis, the transform back, RoPE on the keys. Head hh's key row
-// goes to kd + hh * stride, its value row to vd + hh * stride_v; both rounded to TO. Value rows read in
-// float32 (TO == F32) stay in the rotated basis: attend_item transforms their weighted sum instead.
+// goes to kd + hh * stride, its value row to vd + hh * stride_v; both rounded to TO (values: see folds_values).
 template <Elem TO>
 void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, int64_t nh, float* kd,
                    float* vd, int64_t stride, int64_t stride_v, Scratch& st) {
@@ -693,7 +697,7 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
     float* v = vd + hh * stride_v;
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
-    if constexpr (TO != F32)
+    if constexpr (!folds_values<TO>)
       for (int64_t b = 0; b < D; b += rt.block) fwht<TO>(v + b, rt.block);
   }
 }
@@ -832,7 +836,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
-  const bool fold = TO == F32 && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
+  const bool fold = folds_values<TO> && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
   for (int64_t c0 = 0, cn = 0; c0 < n; c0 += cn) {
     cn = std::min(CHUNK, (fold && c0 < n_comp ? n_comp : n) - c0);
     const int64_t cn8 = (cn + VW - 1) / VW * VW;
