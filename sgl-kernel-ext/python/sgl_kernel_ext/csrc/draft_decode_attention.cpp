@@ -6,9 +6,9 @@
 // rounded: the file is built with -ffp-contract=off), so the rows equal compressor.decompress()
 // bitwise; with round_to they are rounded to bfloat16 / float16 in registers as they are stored, as
 // a context held in that dtype stores them (the model passes none: float32 rows). rotatekv with float32
-// rows: the values' inverse transform is applied to their weighted sum (attend_item). Nothing is expanded in memory beyond one chunk of 64
-// keys per thread. Under AVX-512 rows are dequantized 16 values at a time (the arithmetic is
-// elementwise: the same values).
+// rows: the values' inverse transform is applied to their weighted sum (attend_item). Nothing is
+// expanded in memory beyond one chunk of 64 keys per thread. Under AVX-512 rows are dequantized 16
+// values at a time (the arithmetic is elementwise: the same values).
 //
 // Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
 // go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
@@ -874,7 +874,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     }
     if (fold && c0 + cn == n_comp)
       for (int64_t qi = 0; qi < QH; ++qi)
-        for (int64_t b = 0; b < Dv; b += cp.rt.block) fwht<F32>(st.acc.data() + qi * Dv + b, cp.rt.block);
+        for (int64_t e = 0; e < Dv; e += cp.rt.block) fwht<F32>(st.acc.data() + qi * Dv + e, cp.rt.block);
   }
   for (int64_t qi = 0; qi < QH; ++qi) {
     float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
