@@ -587,6 +587,13 @@ inline void fwht(float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += VW) vstore(x + i, rounded<TO>(vload(x + i) * f));
 }
 
+// fwht over each block of `block` values of x[0, n) (rotatekv's per-head transform when D is not a
+// power of two: its largest power-of-two blocks).
+template <Elem TO>
+inline void fwht_blocks(float* x, int64_t n, int64_t block) {
+  for (int64_t b = 0; b < n; b += block) fwht<TO>(x + b, block);
+}
+
 // code * scale + zero with one float16 scale / zero per `group` channels (two roundings).
 template <int BITS>
 inline void minmax_row(const uint8_t* packed, const uint16_t* sc16, const uint16_t* z16, int64_t group, float* dst,
@@ -689,7 +696,7 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
     minmax_row(kc + r2 * nb, cp.bits, cp.k_scale + r2 * ng, cp.k_zero + r2 * ng, rt.group, x + hh * D, D);
   }
   if (rt.block == D) fwht<F32>(x, nh * D);
-  else for (int64_t b = 0; b < D; b += rt.block) fwht<F32>(x + b, rt.block);  // nh == 1
+  else fwht_blocks<F32>(x, D, rt.block);  // nh == 1
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t hk = hk0 + hh, row = (id * R + j) * Hkv + hk;
     rope_row<TO>(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
@@ -698,7 +705,7 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
     if constexpr (!folds_values<TO>)
-      for (int64_t b = 0; b < D; b += rt.block) fwht<TO>(v + b, rt.block);
+      fwht_blocks<TO>(v, D, rt.block);
   }
 }
 
@@ -874,7 +881,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     }
     if (fold && c0 + cn == n_comp)
       for (int64_t qi = 0; qi < QH; ++qi)
-        for (int64_t e = 0; e < Dv; e += cp.rt.block) fwht<F32>(st.acc.data() + qi * Dv + e, cp.rt.block);
+        fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
   }
   for (int64_t qi = 0; qi < QH; ++qi) {
     float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
