@@ -336,11 +336,18 @@ struct Scratch {
   int64_t group_chunk = -1, group = -1;
   std::vector<float> k_patch, v_patch;  // kvquant: the chunk's outliers, dense [T, Hkv, D] (chunk_outliers)
   std::vector<uint8_t> k_mask, v_mask;  // their bits
+  std::vector<int32_t> rh_row, rh_head;  // kvquant_rows: row-head index row * Hkv + head -> row, head
+  std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
+  int64_t kvq_chunk = -1;  // kvquant_rows: the chunk whose ranges are loaded, and how far its K / V outlier lists
+  int64_t kvq_cursor[2] = {0, 0};  // were read
   Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
-        v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4) {}
+        v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
+        rh_row(rows * sh.Hkv), rh_head(rows * sh.Hkv), kpre(rows ? CHUNK * sh.D : 0) {
+    for (int64_t i = 0; i < rows * sh.Hkv; ++i) rh_row[i] = static_cast<int32_t>(i / sh.Hkv), rh_head[i] = static_cast<int32_t>(i % sh.Hkv);
+  }
 };
 
 // ---- kvquant / rotatekv rows, each step rounded as the compressor's torch code rounds it
@@ -676,6 +683,151 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
   rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
 }
 
+#ifdef DRAFT_AVX512
+// ---- kvquant rows a segment at a time: the rows kvquant_row gives, bitwise, with the exact outliers
+// stored over the dequantized rows by masked scatters (16 per instruction) instead of merged lane by lane
+// (mask bits and a masked load per 16 values of every row: with 1% outliers, about as much as the rest of the
+// dequantization on an AMD EPYC, Zen 4), and without a chunk-wide patch of them scattered first.
+
+// Codes i..i+15 of a row (i a multiple of 16). 3 bits: the 6 bytes from byte 3i/8 (a masked load: no read past
+// the row), code k in the 16-bit word at byte 3k/8 (two byte shuffles), shifted by 3k mod 8 and masked.
+template <int BITS>
+inline __m512i kvq_codes16(const uint8_t* packed, int64_t i) {
+  if constexpr (BITS == 3) {
+    const __m128i b = _mm_maskz_loadu_epi8(0x3F, packed + i * 3 / 8);
+    const __m128i lo = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3));
+    const __m128i hi = _mm_shuffle_epi8(b, _mm_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
+    const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+    const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5);
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
+  } else {
+    return codes16<BITS>(packed, i);
+  }
+}
+
+// The outliers of a chunk's list (ascending flat indices into [T, Hkv, D], D = 1 << shift) from *cursor on that
+// lie in rows below r1, in order, 16 at a time: f(lanes, rh, d, x) with lanes the valid ones, rh = row * Hkv +
+// head, d the channel, x the exact value (float32). Vectors, not a loop per outlier: a scalar walk with a branch
+// on the head (half of them another head's with two KV heads) or on how many a row holds mispredicts about every
+// other outlier, and without branches each outlier's dependent chain of loads and roundings (~45 cycles) is
+// serial: 1% outliers then cost a kvquant4 draft step as much as its whole dense part (AMD EPYC, Zen 4).
+template <typename F>
+inline void kvq_outlier_groups(const Rotated& rt, bool key, int64_t id, int64_t* cursor, int64_t r1, int64_t Hkv,
+                               int shift, F&& f) {
+  const int64_t n = rt.n_out, end = (r1 * Hkv) << shift;
+  const void* idx = static_cast<const char*>(key ? rt.k_out_idx : rt.v_out_idx) + id * n * (rt.idx32 ? 4 : 2);
+  const void* vals = static_cast<const char*>(key ? rt.k_out_val : rt.v_out_val) +
+                     id * n * (rt.out_elem == F32 ? 4 : 2);
+  const int32_t* i32 = static_cast<const int32_t*>(idx);
+  const int16_t* i16 = static_cast<const int16_t*>(idx);
+  int64_t e = *cursor;
+  while (e < n && (rt.idx32 ? i32[e] : i16[e]) < end) ++e;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i dmask = _mm512_set1_epi32((1 << shift) - 1);
+  for (int64_t c = *cursor; c < e; c += 16) {
+    const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(e - c)));
+    const __m512i flat = rt.idx32 ? _mm512_maskz_loadu_epi32(m, i32 + c)
+                                  : _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, i16 + c));
+    __m512 x;
+    if (rt.out_elem == F32) {
+      x = _mm512_maskz_loadu_ps(m, static_cast<const float*>(vals) + c);
+    } else {
+      const __m256i hv = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(vals) + c);
+      x = rt.out_elem == F16 ? _mm512_cvtph_ps(hv) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+    }
+    f(m, _mm512_srli_epi32(flat, shift), _mm512_and_si512(flat, dmask), x);
+  }
+  *cursor = e;
+}
+
+// The lanes of KV head hk among m (rh = row * Hkv + head), and their rows (*row; 0 in the other lanes).
+inline __mmask16 kvq_this_head(const Scratch& st, int64_t Hkv, int64_t hk, __mmask16 m, __m512i rh, __m512i* row) {
+  const __m512i vhk = _mm512_set1_epi32(static_cast<int32_t>(hk));
+  if ((Hkv & (Hkv - 1)) == 0) {
+    const int hs = __builtin_ctzll(static_cast<unsigned long long>(Hkv));
+    const __mmask16 on = _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(rh, _mm512_set1_epi32(static_cast<int32_t>(Hkv - 1))), vhk);
+    *row = _mm512_maskz_srli_epi32(on, rh, hs);
+    return on;
+  }
+  const __mmask16 on = _mm512_mask_cmpeq_epi32_mask(m, _mm512_mask_i32gather_epi32(vhk, m, rh, st.rh_head.data(), 4), vhk);
+  *row = _mm512_maskz_mov_epi32(on, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), on, rh, st.rh_row.data(), 4));
+  return on;
+}
+
+// Whether kvquant_rows serves this layout: 16-lane rows of a power-of-two head dim (the outliers' flat
+// indices split by shifts).
+inline bool kvquant_segments(const Compressed& cp, const Shape& sh) {
+  return cp.kind == KVQUANT && sh.D == sh.Dv && sh.D >= 16 && (sh.D & (sh.D - 1)) == 0;
+}
+
+// Rows [j0, j1) of chunk id, KV head hk, as kvquant_row makes them: keys to kd + (j - j0) * D, values to
+// vd + (j - j0) * D. Rows of a chunk come in order (segments may split a chunk between two 64-key windows):
+// st.kvq_chunk / kvq_cursor carry the chunk's ranges and how far its outlier lists were read.
+template <int BITS, Elem TO>
+void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* kd,
+                  float* vd, Scratch& st) {
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, D = sh.D, Hkv = sh.Hkv, L = rt.num_levels, nb = D * BITS / 8, rs = Hkv * nb;
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(D));
+  if (id != st.kvq_chunk || j0 == 0) {  // a new chunk: its levels, per-channel key ranges; its lists from the start
+    halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
+    halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
+    halves_to_float(cp.k_scale + (id * Hkv + hk) * D, st.ks.data(), D);
+    halves_to_float(cp.k_zero + (id * Hkv + hk) * D, st.kz.data(), D);
+    st.kvq_chunk = id;
+    st.kvq_cursor[0] = st.kvq_cursor[1] = 0;
+  }
+  const float *ks = st.ks.data(), *kz = st.kz.data();
+  const __m512 kl16 = _mm512_loadu_ps(st.klv.data()), vl16 = _mm512_loadu_ps(st.vlv.data());
+  const uint8_t* kc0 = static_cast<const uint8_t*>(cp.k) + id * T * rs + hk * nb;
+  const uint8_t* vc0 = static_cast<const uint8_t*>(cp.v) + id * T * rs + hk * nb;
+  float* kpre = st.kpre.data();  // the segment's keys before RoPE
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t row = (id * T + j) * Hkv + hk;
+    const __m512 vsc16 = _mm512_set1_ps(half_to_float(cp.v_scale[row])), vz16 = _mm512_set1_ps(half_to_float(cp.v_zero[row]));
+    float* x = kpre + (j - j0) * D;
+    float* v = vd + (j - j0) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm512_storeu_ps(x + d, _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kvq_codes16<BITS>(kc0 + j * rs, d), kl16),
+                                                          _mm512_loadu_ps(ks + d)),
+                                            _mm512_loadu_ps(kz + d)));
+      _mm512_storeu_ps(v + d, _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kvq_codes16<BITS>(vc0 + j * rs, d), vl16), vsc16),
+                                            vz16));
+    }
+  }
+  // the exact outliers of rows [j0, j1) of head hk over them
+  const __m512i vj0 = _mm512_set1_epi32(static_cast<int32_t>(j0));
+  for (int key = 0; key < 2; ++key) {
+    float* dst = key ? kpre : vd;
+    kvq_outlier_groups(rt, key, id, &st.kvq_cursor[key], j1, Hkv, shift, [&](__mmask16 m, __m512i rh, __m512i d, __m512 x) {
+      __m512i j;
+      const __mmask16 on = kvq_this_head(st, Hkv, hk, m, rh, &j);
+      _mm512_mask_i32scatter_ps(dst, on, _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(j, vj0), shift), d), x, 4);
+    });
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    rope_row<TO>(kpre + (j - j0) * D, rope_at(rt, rt.cos, id, T, j, hk, Hkv, D), rope_at(rt, rt.sin, id, T, j, hk, Hkv, D),
+                 kd + (j - j0) * D, D);
+    if constexpr (TO != F32) {
+      float* v = vd + (j - j0) * D;
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(v + d, rounded<TO>(_mm512_loadu_ps(v + d)));
+    }
+  }
+}
+
+template <Elem TO>
+void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* kd,
+                  float* vd, Scratch& st) {
+  if (cp.bits == 2) kvquant_rows<2, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
+  else if (cp.bits == 3) kvquant_rows<3, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
+  else kvquant_rows<4, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
+}
+#else
+inline bool kvquant_segments(const Compressed&, const Shape&) { return false; }
+template <Elem TO>
+void kvquant_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, float*, float*, Scratch&) {}
+#endif
+
 // rotatekv with float32 rows (TO == F32): value rows stay in the rotated basis, and attend_item transforms
 // their weighted sum instead (the transform is linear). Rounded rows are transformed one by one.
 template <Elem TO>
@@ -840,6 +992,8 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     prefetch_row(cp, sh, ids[ahead_chunk], ahead_j, hk0, nh);
     if (++ahead_j == cp.rows) ahead_j = 0, ++ahead_chunk;
   };
+  st.kvq_chunk = -1;
+  const bool segments = kvquant_segments(cp, sh);  // kvquant rows a segment (of one chunk) at a time
   for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
@@ -851,7 +1005,14 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       const int64_t i = c0 + c;
       float* kd = st.kbuf.data() + c * D;  // head hh's rows at + hh * CHUNK * D
       float* vd = st.vbuf.data() + c * Dv;
-      if (i < n_comp) {
+      if (i < n_comp && segments) {  // the rest of this window's rows of the chunk at the cursor, at once
+        const int64_t seg = std::min({cn - c, cp.rows - j, n_comp - i});
+        for (int64_t r = 0; r < seg && ahead_chunk < cp.lens[b]; ++r) ahead();
+        kvquant_rows<TO>(cp, sh, ids[chunk], j, j + seg, hk0, kd, vd, st);
+        for (int64_t r = 0; r < seg; ++r) kp[c + r] = kd + r * D, vp[c + r] = vd + r * Dv;
+        c += seg - 1;
+        if ((j += seg) == cp.rows) j = 0, ++chunk;
+      } else if (i < n_comp) {
         if (ahead_chunk < cp.lens[b]) ahead();
         if (cp.kind == ROTATEKV) {
           rotatekv_rows<TO>(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
