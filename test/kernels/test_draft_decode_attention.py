@@ -190,6 +190,19 @@ def test_head_dims_past_the_16_lane_loops(name, head_dim, dtype):
     assert torch.equal(one.run(), v.to(dtype).float().repeat_interleave(G, dim=1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [24, 100])
+@pytest.mark.parametrize("name", ["kvquant3", "kvquant4"])
+def test_kvquant_chunks_split_between_64_key_windows(name, chunk, dtype):
+    """Chunks of 24 and 100 rows: the kernel's 64-key windows take a chunk's rows in two or more pieces, whose
+    outlier lists are read on from where the piece before stopped; float32 and rounded rows."""
+    case = Case(name, dtype, mix=[(3, 5, 2), (1, 0, 1), (4, 11, 0)], seed=8, chunk=chunk)
+    for round_to in (torch.float32, dtype):
+        out = case.run(round_to=round_to)
+        assert (out - case.reference(round_to=round_to)).abs().max().item() < 2e-6
+        assert torch.equal(case.run([2], round_to=round_to)[0], out[2])
+
+
 @pytest.mark.parametrize("group_size", [4, 16, 32])
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
 def test_kivi_groups_narrower_and_wider_than_a_vector(name, group_size):

@@ -626,7 +626,7 @@ inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, i
 }
 
 // kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers merged in, RoPE on the key;
-// both rounded to TO.
+// both rounded to TO. Head dims that are not powers of two, and builds without AVX-512: kvquant_rows has the rest.
 template <int BITS, Elem TO>
 void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk, float* kd, float* vd,
                  Scratch& st) {
@@ -686,8 +686,9 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
 #ifdef DRAFT_AVX512
 // ---- kvquant rows a segment at a time: the rows kvquant_row gives, bitwise, with the exact outliers
 // stored over the dequantized rows by masked scatters (16 per instruction) instead of merged lane by lane
-// (mask bits and a masked load per 16 values of every row: with 1% outliers, about as much as the rest of the
-// dequantization on an AMD EPYC, Zen 4), and without a chunk-wide patch of them scattered first.
+// (mask bits and a masked load per 16 values of every row) and without a chunk-wide patch of them scattered first.
+// The bundled model's bf16 draft step at batch 16, context 1600 on an AMD EPYC (Zen 4), against the fixed-chunk
+// DECODE step: kvquant4 1.26x -> 1.09x, kvquant3 1.55x -> 1.05x (3-bit codes also decoded 16 at a time).
 
 // Codes i..i+15 of a row (i a multiple of 16). 3 bits: the 6 bytes from byte 3i/8 (a masked load: no read past
 // the row), code k in the 16-bit word at byte 3k/8 (two byte shuffles), shifted by 3k mod 8 and masked.
@@ -707,10 +708,9 @@ inline __m512i kvq_codes16(const uint8_t* packed, int64_t i) {
 
 // The outliers of a chunk's list (ascending flat indices into [T, Hkv, D], D = 1 << shift) from *cursor on that
 // lie in rows below r1, in order, 16 at a time: f(lanes, rh, d, x) with lanes the valid ones, rh = row * Hkv +
-// head, d the channel, x the exact value (float32). Vectors, not a loop per outlier: a scalar walk with a branch
-// on the head (half of them another head's with two KV heads) or on how many a row holds mispredicts about every
-// other outlier, and without branches each outlier's dependent chain of loads and roundings (~45 cycles) is
-// serial: 1% outliers then cost a kvquant4 draft step as much as its whole dense part (AMD EPYC, Zen 4).
+// head, d the channel, x the exact value (float32). Vectors, not a loop per outlier: a scalar walk branching on
+// the head (with two KV heads half the list is another head's) mispredicts about every other outlier, and each
+// outlier's chain of dependent loads is serial (measured: ~45 cycles an outlier on an AMD EPYC, Zen 4).
 template <typename F>
 inline void kvq_outlier_groups(const Rotated& rt, bool key, int64_t id, int64_t* cursor, int64_t r1, int64_t Hkv,
                                int shift, F&& f) {
