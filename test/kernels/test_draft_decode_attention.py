@@ -9,6 +9,8 @@ count. Unused pool rows are NaN, so a kernel reading past a request's keys fails
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from sgl_kernel_ext.cpu_draft_attention import (
@@ -201,6 +203,18 @@ def test_kvquant_chunks_split_between_64_key_windows(name, chunk, dtype):
         out = case.run(round_to=round_to)
         assert (out - case.reference(round_to=round_to)).abs().max().item() < 2e-6
         assert torch.equal(case.run([2], round_to=round_to)[0], out[2])
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+@pytest.mark.parametrize("name", ["kvquant3", "snapkv+kvquant3"])
+def test_kvquant_kv_head_counts_one_and_not_a_power_of_two(name, num_kv_heads, monkeypatch):
+    """One KV head (every outlier this head's) and three (a row-head index split by table, not by shifts)."""
+    monkeypatch.setattr(sys.modules[__name__], "HKV", num_kv_heads)
+    case = Case(name, torch.float32, mix=[(3, 5, 2), (1, 0, 1), (4, 11, 0)], seed=9, chunk=24)
+    out = case.run()
+    assert out.shape == (3, num_kv_heads * G, D)
+    assert (out - case.reference()).abs().max().item() < 2e-6
+    assert torch.equal(case.run([1, 2])[1], out[2])
 
 
 @pytest.mark.parametrize("group_size", [4, 16, 32])
