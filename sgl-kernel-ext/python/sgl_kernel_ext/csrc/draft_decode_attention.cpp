@@ -336,17 +336,20 @@ struct Scratch {
   int64_t group_chunk = -1, group = -1;
   std::vector<float> k_patch, v_patch;  // kvquant: the chunk's outliers, dense [T, Hkv, D] (chunk_outliers)
   std::vector<uint8_t> k_mask, v_mask;  // their bits
-  std::vector<int32_t> rh_row, rh_head;  // kvquant_rows: row-head index row * Hkv + head -> row, head
+  std::vector<int32_t> rh_row, rh_head;  // kvquant_rows, Hkv not a power of two: row * Hkv + head -> row, head
   std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
-  int64_t kvq_chunk = -1;  // kvquant_rows: the chunk whose ranges are loaded, and how far its K / V outlier lists
-  int64_t kvq_cursor[2] = {0, 0};  // were read
+  int64_t kvq_cursor[2] = {0, 0};  // kvquant_rows: how far the chunk's K / V outlier lists were read
   Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
         v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
-        rh_row(rows * sh.Hkv), rh_head(rows * sh.Hkv), kpre(rows ? CHUNK * sh.D : 0) {
-    for (int64_t i = 0; i < rows * sh.Hkv; ++i) rh_row[i] = static_cast<int32_t>(i / sh.Hkv), rh_head[i] = static_cast<int32_t>(i % sh.Hkv);
+        kpre(rows ? CHUNK * sh.D : 0) {
+    if (sh.Hkv & (sh.Hkv - 1)) {  // kvq_this_head splits a power-of-two count by shifts
+      rh_row.resize(rows * sh.Hkv), rh_head.resize(rows * sh.Hkv);
+      for (int64_t i = 0; i < rows * sh.Hkv; ++i)
+        rh_row[i] = static_cast<int32_t>(i / sh.Hkv), rh_head[i] = static_cast<int32_t>(i % sh.Hkv);
+    }
   }
 };
 
@@ -625,18 +628,43 @@ inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, i
   return table + p * D;
 }
 
+#ifdef DRAFT_AVX512
+// Codes i..i+15 of a row (i a multiple of 16). 3 bits: the 6 bytes from byte 3i/8 (a masked load: no read past
+// the row), code k in the 16-bit word at byte 3k/8 (two byte shuffles), shifted by 3k mod 8 and masked.
+template <int BITS>
+inline __m512i kvq_codes16(const uint8_t* packed, int64_t i) {
+  if constexpr (BITS == 3) {
+    const __m128i b = _mm_maskz_loadu_epi8(0x3F, packed + i * 3 / 8);
+    const __m128i lo = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3));
+    const __m128i hi = _mm_shuffle_epi8(b, _mm_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
+    const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+    const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5);
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
+  } else {
+    return codes16<BITS>(packed, i);
+  }
+}
+#endif
+
+// A kvquant chunk's levels and its per-channel key ranges of head hk, as float32 into st.
+inline void kvquant_chunk_ranges(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, Scratch& st) {
+  const Rotated& rt = cp.rt;
+  const int64_t D = sh.D, L = rt.num_levels;
+  halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
+  halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
+  halves_to_float(cp.k_scale + (id * sh.Hkv + hk) * D, st.ks.data(), D);
+  halves_to_float(cp.k_zero + (id * sh.Hkv + hk) * D, st.kz.data(), D);
+}
+
 // kvquant row j of chunk id, head hk: level[code] * scale + zero, outliers merged in, RoPE on the key;
 // both rounded to TO. Head dims that are not powers of two, and builds without AVX-512: kvquant_rows has the rest.
 template <int BITS, Elem TO>
 void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk, float* kd, float* vd,
                  Scratch& st) {
   const Rotated& rt = cp.rt;
-  const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv, L = rt.num_levels;
+  const int64_t R = cp.rows, D = sh.D, Hkv = sh.Hkv;
   if (j == 0) {  // a new chunk: its levels, per-channel key ranges and outliers
-    halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
-    halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
-    halves_to_float(cp.k_scale + (id * Hkv + hk) * D, st.ks.data(), D);
-    halves_to_float(cp.k_zero + (id * Hkv + hk) * D, st.kz.data(), D);
+    kvquant_chunk_ranges(cp, sh, id, hk, st);
     chunk_outliers(rt, true, id, st.k_patch.data(), st.k_mask);
     chunk_outliers(rt, false, id, st.v_patch.data(), st.v_mask);
   }
@@ -658,14 +686,7 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
   const __m512 kl16 = _mm512_loadu_ps(st.klv.data()), vl16 = _mm512_loadu_ps(st.vlv.data());
   const __m512 vsc16 = _mm512_set1_ps(vsc), vz16 = _mm512_set1_ps(vz);
   for (; d + 16 <= D; d += 16) {
-    __m512i kq, vq;
-    if constexpr (BITS == 3) {
-      kq = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)code_ints<3>(kc, d)), (__m256i)code_ints<3>(kc, d + 8), 1);
-      vq = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)code_ints<3>(vc, d)), (__m256i)code_ints<3>(vc, d + 8), 1);
-    } else {
-      kq = codes16<BITS>(kc, d);
-      vq = codes16<BITS>(vc, d);
-    }
+    const __m512i kq = kvq_codes16<BITS>(kc, d), vq = kvq_codes16<BITS>(vc, d);
     const __m512 kx = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq, kl16), _mm512_loadu_ps(ks + d)),
                                     _mm512_loadu_ps(kz + d));
     const __m512 vx = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(vq, vl16), vsc16), vz16);
@@ -689,22 +710,6 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
 // (mask bits and a masked load per 16 values of every row) and without a chunk-wide patch of them scattered first.
 // The bundled model's bf16 draft step at batch 16, context 1600 on an AMD EPYC (Zen 4), against the fixed-chunk
 // DECODE step: kvquant4 1.26x -> 1.09x, kvquant3 1.55x -> 1.05x (3-bit codes also decoded 16 at a time).
-
-// Codes i..i+15 of a row (i a multiple of 16). 3 bits: the 6 bytes from byte 3i/8 (a masked load: no read past
-// the row), code k in the 16-bit word at byte 3k/8 (two byte shuffles), shifted by 3k mod 8 and masked.
-template <int BITS>
-inline __m512i kvq_codes16(const uint8_t* packed, int64_t i) {
-  if constexpr (BITS == 3) {
-    const __m128i b = _mm_maskz_loadu_epi8(0x3F, packed + i * 3 / 8);
-    const __m128i lo = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3));
-    const __m128i hi = _mm_shuffle_epi8(b, _mm_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
-    const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-    const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5);
-    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
-  } else {
-    return codes16<BITS>(packed, i);
-  }
-}
 
 // The outliers of a chunk's list (ascending flat indices into [T, Hkv, D], D = 1 << shift) from *cursor on that
 // lie in rows below r1, in order, 16 at a time: f(lanes, rh, d, x) with lanes the valid ones, rh = row * Hkv +
@@ -761,20 +766,16 @@ inline bool kvquant_segments(const Compressed& cp, const Shape& sh) {
 }
 
 // Rows [j0, j1) of chunk id, KV head hk, as kvquant_row makes them: keys to kd + (j - j0) * D, values to
-// vd + (j - j0) * D. Rows of a chunk come in order (segments may split a chunk between two 64-key windows):
-// st.kvq_chunk / kvq_cursor carry the chunk's ranges and how far its outlier lists were read.
+// vd + (j - j0) * D. A chunk's rows come in order from row 0 (segments may split a chunk between two 64-key
+// windows): its first segment loads its ranges, st.kvq_cursor carries how far its outlier lists were read.
 template <int BITS, Elem TO>
 void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* kd,
                   float* vd, Scratch& st) {
   const Rotated& rt = cp.rt;
-  const int64_t T = cp.rows, D = sh.D, Hkv = sh.Hkv, L = rt.num_levels, nb = D * BITS / 8, rs = Hkv * nb;
+  const int64_t T = cp.rows, D = sh.D, Hkv = sh.Hkv, nb = D * BITS / 8, rs = Hkv * nb;
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(D));
-  if (id != st.kvq_chunk || j0 == 0) {  // a new chunk: its levels, per-channel key ranges; its lists from the start
-    halves_to_float(rt.k_levels + id * L, st.klv.data(), L);
-    halves_to_float(rt.v_levels + id * L, st.vlv.data(), L);
-    halves_to_float(cp.k_scale + (id * Hkv + hk) * D, st.ks.data(), D);
-    halves_to_float(cp.k_zero + (id * Hkv + hk) * D, st.kz.data(), D);
-    st.kvq_chunk = id;
+  if (j0 == 0) {  // a new chunk: its levels, per-channel key ranges; its outlier lists from the start
+    kvquant_chunk_ranges(cp, sh, id, hk, st);
     st.kvq_cursor[0] = st.kvq_cursor[1] = 0;
   }
   const float *ks = st.ks.data(), *kz = st.kz.data();
@@ -992,7 +993,6 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     prefetch_row(cp, sh, ids[ahead_chunk], ahead_j, hk0, nh);
     if (++ahead_j == cp.rows) ahead_j = 0, ++ahead_chunk;
   };
-  st.kvq_chunk = -1;
   const bool segments = kvquant_segments(cp, sh);  // kvquant rows a segment (of one chunk) at a time
   for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
