@@ -1,6 +1,6 @@
 """VeriCache with kvquant / rotatekv tiers drafting through the fused CPU kernel (pre-RoPE keys, exact
 outliers, the Hadamard basis, a dropper's per-head positions): output tokens and logprobs equal
-deterministic full mode's bitwise, in bfloat16, and every draft layer read the kernel."""
+deterministic full mode's bitwise, in bfloat16 and float32, and every draft layer read the kernel."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def llama(tmp_path_factory):
     return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-def run(path, **server):
+def run(path, dtype="bfloat16", **server):
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    sched = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
                                  enable_deterministic_inference=True, **server))
     reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
             for i, ids in enumerate(batch)]
@@ -34,19 +34,20 @@ def run(path, **server):
 
 @pytest.fixture(scope="module")
 def full(llama):
-    return run(llama)[0]
+    return {dtype: run(llama, dtype)[0] for dtype in ("bfloat16", "float32")}
 
 
-@pytest.mark.parametrize("compressor", ["kvquant4", "rotatekv2", "snapkv+rotatekv4"])
-def test_fused_kernel_drafts_and_output_equals_deterministic_full_mode(llama, full, compressor, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("compressor", ["kvquant4", "kvquant3", "rotatekv2", "snapkv+rotatekv4"])
+def test_fused_kernel_drafts_and_output_equals_deterministic_full_mode(llama, full, compressor, dtype, monkeypatch):
     import sgl_kernel_ext.cpu_draft_attention as cda
 
     calls, kernel = [], cda.draft_decode_attention
     monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(1) or kernel(*a))
-    vc, sched = run(llama, kv_compressor=compressor, kv_compression_ratio=2, speculative_algorithm="VERICACHE",
+    vc, sched = run(llama, dtype, kv_compressor=compressor, kv_compression_ratio=2, speculative_algorithm="VERICACHE",
                     speculative_num_draft_tokens="4", vericache_schedule="lockstep")
-    assert [r.output_ids for r in vc] == [r.output_ids for r in full]
-    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full]
+    assert [r.output_ids for r in vc] == [r.output_ids for r in full[dtype]]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full[dtype]]
     assert sched.metrics.spec_rounds_total > 0
     assert sched.model_runner.attn_backend.fused_draft is True
     assert calls  # drafts went through the kernel (a layout it did not read would take the torch path)
