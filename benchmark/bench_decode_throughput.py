@@ -3,7 +3,11 @@
     .venv/bin/python benchmark/bench_decode_throughput.py --batch-sizes 1 16
 
 Prefill is excluded: the clock runs over decode steps only. Each batch size is measured
-`--repeats` times and the median is reported, with the machine it ran on.
+`--repeats` times and the median is reported, with the machine it ran on. `--decode-attention`
+compares the decode step's attention paths in one run, interleaved per repeat: `kernel` (the default:
+on a CPU the batch-invariant kernel reading the KV pool in place) and `sdpa` (the KV gathered for
+SDPA, the step before; the torch backend's `kernel_decode` off); the second's ratio to the first is
+reported per batch size.
 """
 
 from __future__ import annotations
@@ -62,17 +66,27 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=128, help="New tokens per request.")
     p.add_argument("--repeats", type=int, default=3, help="Runs per batch size (the median is reported).")
+    p.add_argument("--decode-attention", nargs="+", choices=["kernel", "sdpa"], default=["kernel"],
+                   help="Decode attention paths to compare, interleaved per repeat: kernel (the default path: on "
+                        "a CPU the batch-invariant kernel reading the pool in place), sdpa (the KV gathered for "
+                        "SDPA).")
     p.add_argument("--out", default="benchmark/results/decode_throughput.json", help="Where to write JSON.")
     args = p.parse_args()
 
     sched = Scheduler(ServerArgs(model_path=args.model_path, dtype=args.dtype, skip_tokenizer_init=True,
                                  max_running_requests=max(args.batch_sizes)))
     decode_tokens_per_s(sched, 1, 16, 4, seed=-1 % 1000)  # warm-up
+    backend = sched.model_runner.attn_backend
     rows = []
     for bs in args.batch_sizes:
-        runs = [decode_tokens_per_s(sched, bs, args.input_len, args.output_len, seed)
-                for seed in tqdm(range(args.repeats), desc=f"batch {bs}")]
-        rows.append({"batch_size": bs, "median_tok_s": statistics.median(runs), "runs_tok_s": runs})
+        runs = {path: [] for path in args.decode_attention}
+        for seed in tqdm(range(args.repeats), desc=f"batch {bs}"):
+            for path in args.decode_attention:
+                backend.kernel_decode = None if path == "kernel" else False  # None: decided at the next DECODE
+                runs[path].append(decode_tokens_per_s(sched, bs, args.input_len, args.output_len, seed))
+        for path, tok_s in runs.items():
+            rows.append({"batch_size": bs, "decode_attention": path, "median_tok_s": statistics.median(tok_s),
+                         "runs_tok_s": tok_s})
     mc = sched.model_runner.model_config
     report = {
         "model_path": args.model_path,
@@ -88,9 +102,13 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nmachine: {report['machine']}\nmodel: {args.model_path} {report['shape']} {report['dtype']}")
-    print("| batch | decode tokens/s (median) | runs |\n| --- | --- | --- |")
+    print("| batch | decode attention | decode tokens/s (median) | vs the first path | runs |\n"
+          "| --- | --- | --- | --- | --- |")
+    first = {}
     for r in rows:
-        print(f"| {r['batch_size']} | {r['median_tok_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs_tok_s'])} |")
+        base = first.setdefault(r["batch_size"], r["median_tok_s"])
+        print(f"| {r['batch_size']} | {r['decode_attention']} | {r['median_tok_s']:.1f} | "
+              f"{r['median_tok_s'] / base:.2f}x | {', '.join(f'{x:.1f}' for x in r['runs_tok_s'])} |")
 
 
 if __name__ == "__main__":

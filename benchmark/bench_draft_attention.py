@@ -11,9 +11,11 @@ the bundled code model), on the torch backend. Every request has `--context` tok
 drafting twin compresses all its whole pages
 (query-scored compressors score with random queries: arbitrary rows kept, the real layout). Modes,
 timed interleaved, `--steps` in a row (the draft depth grows 1..steps), `--repeats` times:
-- DECODE: full mode's decode step (SDPA over the gathered exact KV);
-- DECODE fixed-chunk: the same with the batch-invariant kernel (deterministic inference, on by
-  default in the two-tier modes: their verify and decode steps use it);
+- DECODE: full mode's decode step: on a CPU the batch-invariant kernel reading the exact KV in place,
+  with or without deterministic inference (the torch backend's `kernel_decode`; the two-tier modes'
+  verify steps use the same kernel);
+- DECODE SDPA: the same step gathering the exact KV for SDPA (full mode's decode step before
+  `kernel_decode`, and its path where the kernel does not build);
 - DRAFT_DECODE per compressor through the fused CPU kernel (the torch backend's path on a CPU), and
   through the torch path (gathers, dequantized copies, SDPA: the path before the kernel) unless
   --no-torch-path.
@@ -107,7 +109,7 @@ def run_setting(args, dtype: str, threads: int) -> dict:
         cpool = make_compressed_pool(runner, name, args.ratio, num_chunks=bs * pages, group_size=min(32, ps))
         setups[name] = (cpool, [compress_prefix(runner, cpool, r, pages, random_queries=g) for r in twin_reqs])
     draft_modes = [(name, path) for name in args.compressors for path in args.paths]
-    modes = ["DECODE", "DECODE fixed-chunk", *(f"{n} {p}" for n, p in draft_modes)]
+    modes = ["DECODE", "DECODE SDPA", *(f"{n} {p}" for n, p in draft_modes)]
     step_s = {m: [[] for _ in range(args.repeats + 1)] for m in modes}  # [-1]: the warm-up
     attn_s = {m: [[] for _ in range(args.repeats + 1)] for m in modes}
     for rep in [-1, *range(args.repeats)]:  # repeat -1: one untimed warm-up step of every mode
@@ -118,7 +120,8 @@ def run_setting(args, dtype: str, threads: int) -> dict:
             ids = [int(t) for t in torch.randint(3, 400, (bs,), generator=g)]
             fb = prepare_forward_batch(runner, exact_reqs, [[t] for t in ids], ForwardMode.DECODE)
             timed(runner, fb, step_s["DECODE"][rep], attn_s["DECODE"][rep], deterministic=False)
-            timed(runner, fb, step_s["DECODE fixed-chunk"][rep], attn_s["DECODE fixed-chunk"][rep], deterministic=True)
+            timed(runner, fb, step_s["DECODE SDPA"][rep], attn_s["DECODE SDPA"][rep], deterministic=False,
+                  kernel_decode=False)
             for name, (cpool, dreqs) in setups.items():
                 fb = prepare_draft_batch(runner, cpool, dreqs, ids, draft)
                 for p in args.paths:
@@ -143,18 +146,19 @@ def table(results: dict, args) -> str:
         f"machine: {machine(threads=False)}",
         "",
         "`step`: the whole forward (model + attention); `attn`: metadata + every layer's attention. "
-        "`draft/full`: a draft step's time over a full DECODE step's (SDPA, full mode's default); "
-        "`vs fixed-chunk`: over DECODE with the batch-invariant kernel (deterministic inference, the "
-        "two-tier modes' default). `torch path`: the same draft step through the torch path (gathers, "
-        "dequantized copies, SDPA), the path before the fused kernel.",
+        "`draft/full`: a draft step's time over full mode's DECODE step's (on a CPU the batch-invariant "
+        "kernel reading the exact KV in place, deterministic inference or not); `vs SDPA`: over the "
+        "same DECODE gathering the exact KV for SDPA (full mode's step before it read the pool in place). "
+        "`torch path`: the same draft step through the torch path (gathers, dequantized copies, SDPA), "
+        "the path before the fused kernel.",
     ]
     for key, res in results.items():
-        base, fixed = res["DECODE"], res["DECODE fixed-chunk"]
+        base, sdpa = res["DECODE"], res["DECODE SDPA"]
         lines += ["", f"### {key}", "",
-                  f"DECODE: step {base['step_ms']:.1f} ms, attn {base['attn_ms']:.1f} ms; DECODE fixed-chunk: "
-                  f"step {fixed['step_ms']:.1f} ms, attn {fixed['attn_ms']:.1f} ms; machine load average "
+                  f"DECODE: step {base['step_ms']:.1f} ms, attn {base['attn_ms']:.1f} ms; DECODE SDPA: "
+                  f"step {sdpa['step_ms']:.1f} ms, attn {sdpa['attn_ms']:.1f} ms; machine load average "
                   f"{res['load'][0]:.1f} before, {res['load'][1]:.1f} after", "",
-                  "| compressor | step ms | draft/full step | vs fixed-chunk | attn ms | draft/full attn "
+                  "| compressor | step ms | draft/full step | vs SDPA | attn ms | draft/full attn "
                   "| torch path step ms | torch path draft/full |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in args.compressors:
@@ -162,7 +166,7 @@ def table(results: dict, args) -> str:
             cells = [name]
             if f:
                 cells += [f"{f['step_ms']:.1f}", f"{f['step_ms'] / base['step_ms']:.2f}x",
-                          f"{f['step_ms'] / fixed['step_ms']:.2f}x", f"{f['attn_ms']:.1f}",
+                          f"{f['step_ms'] / sdpa['step_ms']:.2f}x", f"{f['attn_ms']:.1f}",
                           f"{f['attn_ms'] / base['attn_ms']:.2f}x"]
             else:
                 cells += ["-"] * 5

@@ -5,6 +5,7 @@ Every function returns [B*Lq, H*Dv] rows in request-major order."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,26 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from sglang_vericache.layers.attention.torch_backend import PaddedMetadata, RaggedBlock
     from sglang_vericache.layers.radix_attention import RadixAttention
+
+logger = logging.getLogger(__name__)
+_cpu_kernel_ok: bool | None = None  # None: not tried yet
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the batch-invariant CPU kernel is built and loaded (tries once per process; warns if it
+    cannot: non-deterministic decode then gathers for SDPA)."""
+    global _cpu_kernel_ok
+    if _cpu_kernel_ok is None:
+        try:
+            from sgl_kernel_ext import cpu_attention
+
+            cpu_attention.load()
+            _cpu_kernel_ok = True
+        except (ImportError, RuntimeError) as exc:
+            logger.warning("attention: the CPU fixed-chunk kernel is unavailable, decode steps gather the KV "
+                           "for SDPA (slower): %s", exc)
+            _cpu_kernel_ok = False
+    return _cpu_kernel_ok
 
 
 def sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | None:
