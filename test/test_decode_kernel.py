@@ -67,10 +67,21 @@ def test_decode_reads_the_pool_through_the_kernel_without_deterministic_inferenc
     torch.testing.assert_close(in_place, sdpa, atol=tol, rtol=tol)
 
 
-def test_decode_gathers_for_sdpa_where_the_kernel_does_not_load(checkpoint, monkeypatch):
+def test_decode_gathers_for_sdpa_where_the_kernel_does_not_load(checkpoint, monkeypatch, caplog):
+    """A kernel that cannot be built (no compiler): one warning, then SDPA's decode step, bitwise."""
+    import sgl_kernel_ext.cpu_attention as ca
+
     runner, fb = decode_batch(checkpoint, "float32")
     sdpa = attention(runner, fb, kernel_decode=False)
-    monkeypatch.setattr(torch_attend, "_cpu_kernel_ok", False)
+
+    def no_compiler():
+        raise RuntimeError("could not build the CPU kernel fixed_chunk_attention.cpp: g++ not found")
+
+    monkeypatch.delitem(torch_attend._loaded, "cpu_attention", raising=False)  # tried again
+    monkeypatch.setattr(ca, "load", no_compiler)
+    monkeypatch.setattr(ca, "fixed_chunk_attention", None)  # calling the kernel would fail loudly
     runner.attn_backend.kernel_decode = None  # decided again at this DECODE
-    assert torch.equal(attention(runner, fb), sdpa)
+    with caplog.at_level("WARNING", logger=torch_attend.__name__):
+        assert torch.equal(attention(runner, fb), sdpa)
     assert runner.attn_backend.kernel_decode is False
+    assert "fixed-chunk kernel is unavailable" in caplog.text and "g++ not found" in caplog.text

@@ -326,12 +326,12 @@ def test_without_the_kernel_drafting_takes_the_torch_path_with_a_warning(runner,
     """A kernel that cannot be built (no compiler): one warning, then every draft layer on the torch path."""
     import sgl_kernel_ext.cpu_draft_attention as cda
 
-    from sglang_vericache.layers.attention import draft_kernel
+    from sglang_vericache.layers.attention import draft_kernel, torch_attend
 
     def no_compiler():
         raise RuntimeError("could not build the CPU kernel draft_decode_attention.cpp: g++ not found")
 
-    monkeypatch.setattr(draft_kernel, "_kernel_ok", None)
+    monkeypatch.delitem(torch_attend._loaded, "cpu_draft_attention", raising=False)  # tried again
     monkeypatch.setattr(cda, "load", no_compiler)
     monkeypatch.setattr(cda, "draft_decode_attention", None)  # calling the kernel would fail loudly
     fb, reqs = draft_batch(runner, "kivi4")

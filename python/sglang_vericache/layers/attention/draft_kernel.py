@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_vericache.layers.attention.torch_attend import kernel_loads
+
 if TYPE_CHECKING:
     from sglang_vericache.layers.attention.draft_metadata import DraftMetadata
     from sglang_vericache.layers.radix_attention import RadixAttention
@@ -32,24 +34,13 @@ if TYPE_CHECKING:
     from sglang_vericache.model_executor.forward_batch import DraftContext
 
 logger = logging.getLogger(__name__)
-_kernel_ok: bool | None = None  # None: not tried yet
 _warned: set[str] = set()
 
 
 def fused_draft_available() -> bool:
-    """Whether the fused kernel is built and loaded (tries once per process; warns if it cannot)."""
-    global _kernel_ok
-    if _kernel_ok is None:
-        try:
-            from sgl_kernel_ext import cpu_draft_attention
-
-            cpu_draft_attention.load()
-            _kernel_ok = True
-        except (ImportError, RuntimeError) as exc:
-            logger.warning("draft attention: the fused CPU kernel is unavailable, drafting takes the slower "
-                           "torch path (gathered and dequantized copies): %s", exc)
-            _kernel_ok = False
-    return _kernel_ok
+    """Whether the fused kernel is built and loaded."""
+    return kernel_loads("cpu_draft_attention", logger, "draft attention: the fused CPU kernel is unavailable, "
+                        "drafting takes the slower torch path (gathered and dequantized copies)")
 
 
 def _fits(q: torch.Tensor, layer: RadixAttention) -> str | None:

@@ -5,6 +5,7 @@ Every function returns [B*Lq, H*Dv] rows in request-major order."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -16,24 +17,26 @@ if TYPE_CHECKING:
     from sglang_vericache.layers.radix_attention import RadixAttention
 
 logger = logging.getLogger(__name__)
-_cpu_kernel_ok: bool | None = None  # None: not tried yet
+_loaded: dict[str, bool] = {}  # sgl_kernel_ext module -> whether its CPU kernel loaded (tried once per process)
+
+
+def kernel_loads(module: str, log: logging.Logger, fallback: str) -> bool:
+    """Whether sgl_kernel_ext.<module>'s CPU kernel builds and loads, tried once per process; if not,
+    one warning on `log` saying what runs instead (`fallback`) and why."""
+    if module not in _loaded:
+        try:
+            importlib.import_module(f"sgl_kernel_ext.{module}").load()
+            _loaded[module] = True
+        except (ImportError, RuntimeError) as exc:
+            log.warning("%s: %s", fallback, exc)
+            _loaded[module] = False
+    return _loaded[module]
 
 
 def cpu_kernel_available() -> bool:
-    """Whether the batch-invariant CPU kernel is built and loaded (tries once per process; warns if it
-    cannot: non-deterministic decode then gathers for SDPA)."""
-    global _cpu_kernel_ok
-    if _cpu_kernel_ok is None:
-        try:
-            from sgl_kernel_ext import cpu_attention
-
-            cpu_attention.load()
-            _cpu_kernel_ok = True
-        except (ImportError, RuntimeError) as exc:
-            logger.warning("attention: the CPU fixed-chunk kernel is unavailable, decode steps gather the KV "
-                           "for SDPA (slower): %s", exc)
-            _cpu_kernel_ok = False
-    return _cpu_kernel_ok
+    """Whether the batch-invariant CPU kernel is built and loaded."""
+    return kernel_loads("cpu_attention", logger, "attention: the CPU fixed-chunk kernel is unavailable, decode "
+                        "steps gather the KV for SDPA (slower)")
 
 
 def sdpa_mask(md: PaddedMetadata | RaggedBlock, group: int) -> torch.Tensor | None:
