@@ -10,7 +10,8 @@
 #            fixed_split_attention's forms bitwise equal at Llama-3-8B's shape, batch_invariant_matmul
 #            rows, and end to end on CUDA (alone == under load == VeriCache, bfloat16)
 #   placement  e2e_8b.py --placement: full vs vc-auto under a device KV budget of 4 requests' exact KV,
-#            the rest on the host tier, its copies on the side stream ordered by events (~2-3 minutes)
+#            the rest on the host tier, its copies on the side stream ordered by events; and vc-auto-host,
+#            the exact pool in pinned host memory read through a device page cache (~3-4 minutes)
 # Results and logs go to $OUT (default benchmark/results). Exit status 1 if any stage failed.
 # DRY_RUN=1: the CPU path of the same stages (no wheels, no nvidia-smi; the scripts' --dry-run, the
 # tests stage collects only), e.g. DRY_RUN=1 STAGES=placement OUT=/tmp/x bash benchmark/gpu/device_run.sh

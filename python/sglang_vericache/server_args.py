@@ -76,6 +76,11 @@ class ServerArgs(ServerArgsChecks):
     vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (see `schedule`)
     verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
     kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
+    # Two-tier modes: where the exact pool lives (mem_cache/device_page_cache.py). device: on the accelerator
+    # (the placement's residency is accounting); host: in host memory (page-locked on CUDA), forwards reading
+    # it through an accelerator page cache of exact_kv_cache_tokens (None: the device budget's worth).
+    exact_kv_pool: str = "device"
+    exact_kv_cache_tokens: int | None = None
     link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
 
     # KV store (issue 8): prompt KV pages in a shared store, found by prefix hash chains.

@@ -120,6 +120,13 @@ class ServerArgsChecks:
             self.validate_deterministic_backend()
         if self.verify_staging_tokens < 1:
             raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
+        if self.exact_kv_pool not in ("device", "host"):
+            raise ValueError(f"--exact-kv-pool must be device or host, got {self.exact_kv_pool!r}")
+        if self.exact_kv_pool == "host" and self.kv_mode == "full":
+            raise ValueError("--exact-kv-pool host is for the two-tier modes (VeriCache, lossy): full mode's exact "
+                             "KV is its accelerator tier (--kv-offload is the full-mode offload baseline)")
+        if self.exact_kv_cache_tokens is not None and self.exact_kv_cache_tokens < 1:
+            raise ValueError(f"--exact-kv-cache-tokens must be >= 1, got {self.exact_kv_cache_tokens}")
         if self.kv_offload and self.kv_mode != "full":
             raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have tiers")
         if self.kv_compressor is not None:

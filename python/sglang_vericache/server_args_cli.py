@@ -110,6 +110,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "accelerator; also the longest context a request may have when exact KV is streamed.")
     add("--kv-offload", action="store_true",
         help="Baseline: full mode with exact KV in host memory, streamed over the link at every step.")
+    add("--exact-kv-pool", type=str, default=d["exact_kv_pool"].default, choices=["device", "host"],
+        help="VeriCache and lossy modes: where the exact KV pool lives. device (default): accelerator memory "
+             "(which requests count as resident is accounting); host: host memory (page-locked on CUDA), every "
+             "committed token written through to it, forwards reading exact KV through an accelerator page cache "
+             "(--exact-kv-cache-tokens) that keeps resident requests' pages and the others' tail pages.")
+    add("--exact-kv-cache-tokens", type=int, default=None,
+        help="With --exact-kv-pool host: tokens of exact KV the accelerator's page cache holds (default: what "
+             "--device-kv-budget holds of it, else the whole pool).")
     add("--kv-store", type=str, default=d["kv_store"].default, choices=KV_STORE_KINDS,
         help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
              "directory on this host), redis (a Redis server), none. Store trouble never fails a request: "

@@ -156,9 +156,10 @@ def compress_pages(
         return
     slots = slots.to(kv_pool.device)
     pos = None if positions is None else positions.reshape(n, t)
+    dev = compressed_pool.device  # the compressor runs where its pool is (a host exact pool: pages copied in)
     for layer in range(kv_pool.num_layers):
-        k = kv_pool.get_key_buffer(layer)[slots].unflatten(0, (n, t))  # [n, T, H_kv, D]
-        v = kv_pool.get_value_buffer(layer)[slots].unflatten(0, (n, t))
+        k = kv_pool.get_key_buffer(layer)[slots].unflatten(0, (n, t)).to(dev)  # [n, T, H_kv, D]
+        v = kv_pool.get_value_buffer(layer)[slots].unflatten(0, (n, t)).to(dev)
         q = None
         if compressor.query_window(layer) > 0 or compressor.needs_reconstruction:
             if queries is None or queries[layer] is None:

@@ -39,10 +39,15 @@ class PagedTokenAllocator:
         self.page_size = page_size
         self.num_pages = num_pages  # usable pages, page ids 1..num_pages
         self.device = device
+        # Called with the page ids given back (None: all of them, clear()); the accelerator's page cache
+        # of a host exact pool drops its copies (mem_cache/device_page_cache.py).
+        self.on_free = None
         self.clear()
 
     def clear(self) -> None:
         self.free_pages: list[int] = list(range(self.num_pages, 0, -1))  # pop() takes the lowest id
+        if self.on_free is not None:
+            self.on_free(None)
 
     @property
     def size(self) -> int:
@@ -58,6 +63,8 @@ class PagedTokenAllocator:
 
     def free_page_ids(self, pages: list[int]) -> None:
         self.free_pages.extend(pages)
+        if self.on_free is not None:
+            self.on_free(pages)
 
     def free(self, slots: torch.Tensor) -> None:
         """Frees the pages that `slots` start. Only call with page-aligned runs of whole pages."""
@@ -108,6 +115,7 @@ class MHATokenToKVPool:
         dtype: torch.dtype,
         device: str = "cpu",
         v_head_dim: int | None = None,
+        pin_memory: bool = False,
     ):
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -116,12 +124,13 @@ class MHATokenToKVPool:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype = dtype
         self.device = device
+        pin = dict(pin_memory=True) if pin_memory else {}  # host memory that CUDA copies from asynchronously
         self.k_buffer = [
-            torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+            torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device, **pin)
             for _ in range(num_layers)
         ]
         self.v_buffer = [
-            torch.zeros((num_slots, num_kv_heads, self.v_head_dim), dtype=dtype, device=device)
+            torch.zeros((num_slots, num_kv_heads, self.v_head_dim), dtype=dtype, device=device, **pin)
             for _ in range(num_layers)
         ]
 

@@ -8,6 +8,7 @@ import torch
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.attention.registry import create_attention_backend
+from sglang_vericache.mem_cache.device_page_cache import DevicePageCache
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
@@ -122,22 +123,49 @@ class ModelRunner:
             raise ValueError(f"KV pool too small: {max_tokens} tokens is under two pages of {ps}")
         self.max_total_num_tokens = num_pages * ps
         self.token_to_kv_pool_allocator = PagedTokenAllocator(num_pages, ps, device=self.device)
+        host_pool = args.exact_kv_pool == "host"
         self.token_to_kv_pool = MHATokenToKVPool(
             num_slots=(num_pages + 1) * ps,  # + page 0, the padding page
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             dtype=self.kv_dtype,
-            device=self.device,
+            device="cpu" if host_pool else self.device,
+            pin_memory=host_pool and self.device.startswith("cuda"),
         )
         logger.info(
-            "KV pool: %d tokens (%d pages of %d), %.1f MiB",
+            "KV pool: %d tokens (%d pages of %d), %.1f MiB%s",
             self.max_total_num_tokens, num_pages, ps, self.max_total_num_tokens * bytes_per_token / 2**20,
+            " in host memory" if host_pool else "",
         )
+        # --exact-kv-pool host: forwards read and write exact KV through the accelerator's page cache.
+        self.exact_cache: DevicePageCache | None = None
+        if host_pool:
+            tokens = args.exact_kv_cache_tokens
+            if tokens is None and args.device_kv_budget is not None:
+                tokens = parse_bytes(args.device_kv_budget) // bytes_per_token
+            cache_pages = min(num_pages, -(-tokens // ps)) if tokens is not None else num_pages
+            # One forward touches at most a prefill chunk and every running request's tail and new pages,
+            # plus the resident requests' contexts (the placement's budget, within the device budget).
+            # Without a link every request verifies over the cache: it holds the whole pool.
+            least = -(-args.chunked_prefill_size // ps) + 2 * args.max_running_requests + 1
+            if not args.uses_link:
+                least = num_pages
+            if cache_pages < min(least, num_pages):
+                raise ValueError(
+                    f"--exact-kv-cache-tokens {cache_pages * ps} is too small: a forward may touch "
+                    f"{min(least, num_pages) * ps} tokens of exact KV here"
+                    + ("" if args.uses_link else " (without a link every request verifies over the cache, "
+                       "which then holds the whole pool: set --link-bandwidth or a staggered / adaptive schedule)"))
+            self.exact_cache = DevicePageCache(self.token_to_kv_pool, cache_pages, ps, self.req_to_token_pool.size,
+                                               self.req_to_token_pool.max_context_len, self.device)
+            self.token_to_kv_pool_allocator.on_free = self.exact_cache.invalidate
+            logger.info("exact KV cache on %s: %d pages of %d (%.1f MiB)", self.device, cache_pages, ps,
+                        cache_pages * ps * bytes_per_token / 2**20)
 
     def init_cuda_graphs(self) -> CudaGraphRunner | None:
         args = self.server_args
-        if args.disable_cuda_graph or not self.device.startswith("cuda"):
+        if args.disable_cuda_graph or not self.device.startswith("cuda") or self.exact_cache is not None:
             return None
         if args.tp_size > 1:
             logger.info("CUDA graphs: not captured with --tp-size > 1 (collectives run eagerly)")
@@ -170,27 +198,38 @@ class ModelRunner:
         A DRAFT_DECODE / MIXED batch brings its own draft_ctx (compressed pool, tail, draft pool); a
         batch with `staged` brings a begun StagedKV, which this forward consumes (every layer is
         released; on an error the StagedKV is closed, so the stager is free again either way)."""
-        fb = forward_batch.to(self.token_to_kv_pool.get_key_buffer(0).device)
-        fb.req_to_token_pool = self.req_to_token_pool
-        fb.token_to_kv_pool = self.token_to_kv_pool
+        cache = self.exact_cache
+        kv = cache.pool if cache is not None else self.token_to_kv_pool  # the exact KV the forward reads
+        fb = forward_batch.to(kv.get_key_buffer(0).device)
+        fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, kv
+        host_loc = fb.out_cache_loc
+        if cache is not None:  # the batch's tables in cache slots, its pages resident
+            fb.req_to_token_pool, fb.out_cache_loc = cache.view(fb, self.req_to_token_pool.req_to_token)
         fb.attn_backend = self.attn_backend
         fb.capture_hidden = self.capture_hidden
         try:
-            with torch.inference_mode():
-                if self.graph_runner is not None and self.graph_runner.can_run(fb):
-                    logits = self.graph_runner.replay(fb)
-                    if logits is not None:
-                        return logits
-                self.attn_backend.init_forward_metadata(fb)
-                hidden = self.model.forward(fb.input_ids, fb.positions, fb)
-                rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
-                one_row_each = fb.forward_mode.is_decode() or fb.forward_mode.is_draft_decode()
-                if not (one_row_each and fb.logits_indices is None):
-                    hidden = hidden.index_select(0, rows.to(hidden.device))
-                return self.model.compute_logits(hidden)
+            logits = self._forward(fb)
+            if cache is not None:  # the host pool holds every row the forward wrote
+                cache.write_back(fb, host_loc, fb.out_cache_loc)
+            return logits
         finally:
+            fb.out_cache_loc = host_loc  # the caller's batch keeps its host slots
             if fb.staged is not None and not fb.staged.kv.finished:
                 fb.staged.kv.close()
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        with torch.inference_mode():
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                logits = self.graph_runner.replay(fb)
+                if logits is not None:
+                    return logits
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model.forward(fb.input_ids, fb.positions, fb)
+            rows = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
+            one_row_each = fb.forward_mode.is_decode() or fb.forward_mode.is_draft_decode()
+            if not (one_row_each and fb.logits_indices is None):
+                hidden = hidden.index_select(0, rows.to(hidden.device))
+            return self.model.compute_logits(hidden)
 
 
 def _memory(device: str) -> tuple[int, int]:

@@ -113,7 +113,7 @@ class ReconstructionRunner:
         out = []
         for layer in range(pool.num_layers):
             q, k = fb.captured_q[layer], fb.captured_k[layer]
-            sink_k = pool.get_key_buffer(layer)[sinks.to(pool.device)] if len(sinks) else None
+            sink_k = pool.get_key_buffer(layer)[sinks.to(pool.device)].to(k.device) if len(sinks) else None
             out.append(ReconstructionPass(q.unflatten(-1, (-1, pool.head_dim)),
                                           k.unflatten(-1, (-1, pool.head_dim)), sink_k))
         self.seconds += time.perf_counter() - t0
