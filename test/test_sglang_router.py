@@ -73,10 +73,16 @@ class DataParallelServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def served_by(self, rid: str, marker: str = "Finish") -> list[int]:
-        """The dp ranks whose log lines say they served rid."""
-        return sorted({int(m) for m in re.findall(rf"^\[dp(\d)\] .*{marker}: rid={re.escape(rid)} ",
-                                                  self.log(), re.M)})
+    def served_by(self, rid: str, marker: str = "Finish", wait: float = 10.0) -> list[int]:
+        """The dp ranks whose log lines say they served rid, waiting up to `wait` seconds for a first one:
+        a replica's lines reach the log through launch_server's pipe, possibly after its response."""
+        deadline = time.monotonic() + wait
+        while True:
+            ranks = sorted({int(m) for m in re.findall(rf"^\[dp(\d)\] .*{marker}: rid={re.escape(rid)} ",
+                                                       self.log(), re.M)})
+            if ranks or time.monotonic() >= deadline:
+                return ranks
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -273,10 +279,7 @@ def test_a_killed_replicas_stream_ends_with_an_error_and_new_requests_go_to_the_
     r = requests.post(dp.url + "/generate", json=body, stream=True, timeout=120)
     events = (line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: "))
     assert "error" not in json.loads(next(events)[6:])  # its first token: the request is in flight
-    deadline = time.monotonic() + 10
-    while not dp.served_by(rid, "Receive"):
-        assert time.monotonic() < deadline, "no replica logged the request"
-        time.sleep(0.1)
+    assert dp.served_by(rid, "Receive"), "no replica logged the request"
     [victim] = dp.served_by(rid, "Receive")
     os.killpg(dp.replica_pids[victim], signal.SIGKILL)
     rest = list(events)
