@@ -82,7 +82,7 @@ class DevicePageCache:
         loc = fb.out_cache_loc.cpu()
         exact_loc = loc[exact_tokens]
         pages = torch.cat([s // ps for s in spans] + [exact_loc // ps]).unique()
-        self._make_resident(pages[pages > 0].tolist())
+        self._make_resident(pages[pages > 0])
         if spans:
             moved = self._translate(torch.cat(spans)).to(dev).split([len(s) for s in spans])
             for r, (lo, h), t in zip(rows, extents, moved):
@@ -117,13 +117,13 @@ class DevicePageCache:
         ps = self.page_size
         return self.map[slots // ps] * ps + slots % ps
 
-    def _make_resident(self, pages: list[int]) -> None:
-        missing = [p for p in pages if not self.map[p]]
-        keep = set(pages)
-        for p in pages:
-            if self.map[p]:
-                self.lru.move_to_end(p)
+    def _make_resident(self, pages: torch.Tensor) -> None:
+        cached = self.map[pages] > 0
+        missing = pages[~cached].tolist()
+        for p in pages[cached].tolist():
+            self.lru.move_to_end(p)
         if len(missing) > len(self.free):
+            keep = set(pages.tolist())
             victims = [p for p in self.lru if p not in keep][: len(missing) - len(self.free)]
             for p in victims:
                 self._drop(p, int(self.map[p]))
