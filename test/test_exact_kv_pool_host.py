@@ -95,9 +95,11 @@ def test_fixed_schedules_and_a_prefix_hit(llama, reference, schedule):
 def test_lossy_mode_reads_its_tail_through_the_cache(llama):
     batch = prompts(seed=1)
     lossy = dict(kv_compressor="int8")
-    sched = scheduler(llama, **lossy, exact_kv_pool="host")
+    sched = scheduler(llama, **lossy, exact_kv_pool="host", exact_kv_cache_tokens=40 * PAGE, chunked_prefill_size=64)
     assert run(sched, batch) == run(scheduler(llama, **lossy), batch)
     assert cache_of(sched).stats["rows_written_back"] > 0
+    tier = sched.tier_info()["exact_tier"]
+    assert tier["memory"] == "cpu" and tier["device_cache"]["tokens"] == 40 * PAGE
 
 
 def test_a_cache_smaller_than_one_forward_is_refused_at_start(llama):

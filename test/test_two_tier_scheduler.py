@@ -44,7 +44,7 @@ def test_device_budget_sizes_the_compressed_tier_and_host_budget_the_exact(llama
     info = s.ready_message().server_info
     assert info["kv_mode"] == "vericache"
     assert info["exact_tier"] == {"where": "host", "tokens": s.max_total_num_tokens,
-                                  "bytes": s.max_total_num_tokens * exact_per_token}
+                                  "bytes": s.max_total_num_tokens * exact_per_token, "memory": "cpu"}
     assert info["compressed_tier"]["chunks"] == s.two_tier.pool.num_chunks
     assert info["compressed_tier"]["bytes"] == s.two_tier.pool.num_chunks * per_chunk
 

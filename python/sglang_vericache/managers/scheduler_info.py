@@ -53,8 +53,14 @@ class SchedulerInfoMixin:
                 "where": "device" if self.mode == "full" else "host",
                 "tokens": self.max_total_num_tokens,
                 "bytes": self.max_total_num_tokens * exact.bytes_per_token(),
+                "memory": str(exact.get_key_buffer(0).device),  # --exact-kv-pool host: cpu on CUDA too
             },
         }
+        cache = self.model_runner.exact_cache
+        if cache is not None:  # --exact-kv-pool host: the accelerator's page cache of it
+            info["exact_tier"]["device_cache"] = {"tokens": cache.num_pages * self.page_size,
+                                                  "bytes": cache.num_pages * self.page_size * exact.bytes_per_token(),
+                                                  **cache.stats}
         if self.two_tier is not None:
             pool = self.two_tier.pool
             info["compressed_tier"] = {

@@ -147,9 +147,9 @@ class ModelRunner:
             cache_pages = min(num_pages, -(-tokens // ps)) if tokens is not None else num_pages
             # One forward touches at most a prefill chunk and every running request's tail and new pages,
             # plus the resident requests' contexts (the placement's budget, within the device budget).
-            # Without a link every request verifies over the cache: it holds the whole pool.
+            # VeriCache without a link verifies every request over the cache: it holds the whole pool.
             least = -(-args.chunked_prefill_size // ps) + 2 * args.max_running_requests + 1
-            if not args.uses_link:
+            if args.kv_mode == "vericache" and not args.uses_link:
                 least = num_pages
             if cache_pages < min(least, num_pages):
                 raise ValueError(
