@@ -148,15 +148,14 @@ class ModelRunner:
             # One forward touches at most a prefill chunk and every running request's tail and new pages,
             # plus the resident requests' contexts (the placement's budget, within the device budget).
             # VeriCache without a link verifies every request over the cache: it holds the whole pool.
-            least = -(-args.chunked_prefill_size // ps) + 2 * args.max_running_requests + 1
-            if args.kv_mode == "vericache" and not args.uses_link:
-                least = num_pages
+            whole = args.kv_mode == "vericache" and not args.uses_link
+            least = num_pages if whole else -(-args.chunked_prefill_size // ps) + 2 * args.max_running_requests + 1
             if cache_pages < min(least, num_pages):
                 raise ValueError(
                     f"--exact-kv-cache-tokens {cache_pages * ps} is too small: a forward may touch "
                     f"{min(least, num_pages) * ps} tokens of exact KV here"
-                    + ("" if args.uses_link else " (without a link every request verifies over the cache, "
-                       "which then holds the whole pool: set --link-bandwidth or a staggered / adaptive schedule)"))
+                    + (" (without a link every request verifies over the cache, which then holds the whole pool: "
+                       "set --link-bandwidth or a staggered / adaptive schedule)" if whole else ""))
             self.exact_cache = DevicePageCache(self.token_to_kv_pool, cache_pages, ps, self.req_to_token_pool.size,
                                                self.req_to_token_pool.max_context_len, self.device)
             self.token_to_kv_pool_allocator.on_free = self.exact_cache.invalidate
