@@ -47,6 +47,7 @@ for p in (ROOT / "python", ROOT / "sgl-kernel-ext" / "python"):
     sys.path.insert(0, str(p))
 
 from sglang_vericache.managers.scheduler import Scheduler  # noqa: E402
+from sglang_vericache.mem_cache.device_page_cache import pages_one_forward_touches  # noqa: E402
 from sglang_vericache.model_executor.cuda_graph_runner import CudaGraphRunner, EagerGraph  # noqa: E402
 from sglang_vericache.server_args import ServerArgs  # noqa: E402
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion  # noqa: E402
@@ -98,8 +99,8 @@ def placement_args(config: dict, dry: bool, mode: str, link: str) -> dict:
     if mode != "full":
         out["link_bandwidth"] = link
     if MODES[mode].get("exact_kv_pool") == "host":  # the cache: the budget's exact KV and one forward's pages
-        chunk = 512  # ServerArgs.chunked_prefill_size's default
-        out["exact_kv_cache_tokens"] = budget_tokens + (-(-chunk // page) + 2 * bs + 1) * page
+        forward = pages_one_forward_touches(ServerArgs.chunked_prefill_size, bs, page)
+        out["exact_kv_cache_tokens"] = budget_tokens + forward * page
     return out
 
 

@@ -18,7 +18,7 @@ row, its exact tail; a staged row (its committed prefix streams through the stag
 tokens' pages. Resident requests (ExactPlacement) read every page at each verify or decode, so they
 stay cached; of host-tier requests the cache holds their tail pages.
 
-Invariants: cache page c holds host page owner[c] (map[owner[c]] = c), or is free; cache page 0 is
+Invariants: a cache page holds the one host page p with map[p] = c, or is free; cache page 0 is
 host page 0 (the padding page), always; a mapped page's committed rows equal the host pool's; pages a
 forward touches are not dropped during it; a host page freed by the allocator (`invalidate`) is
 unmapped, so one reallocated and then written in the host pool (a KV-store load) is copied in again.
@@ -28,7 +28,6 @@ the host pool has them).
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,14 +39,20 @@ from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 if TYPE_CHECKING:
     from sglang_vericache.model_executor.forward_batch import ForwardBatch
 
-logger = logging.getLogger(__name__)
+def pages_one_forward_touches(chunked_prefill_size: int, max_running_requests: int, page_size: int) -> int:
+    """The most pages one forward touches besides resident requests' contexts: a prefill chunk and every
+    running request's tail and new pages, and the padding page."""
+    return -(-chunked_prefill_size // page_size) + 2 * max_running_requests + 1
 
 
 @dataclass
-class CachedTable:
-    """What a forward over the cache reads as ForwardBatch.req_to_token_pool: the batch's rows translated."""
+class CachedView:
+    """One forward over the cache: what it reads as ForwardBatch.req_to_token_pool (the batch's rows
+    translated), its out_cache_loc in cache slots, and which of its tokens write exact slots."""
 
     req_to_token: torch.Tensor
+    out_cache_loc: torch.Tensor
+    exact_tokens: torch.Tensor
 
 
 class DevicePageCache:
@@ -62,16 +67,14 @@ class DevicePageCache:
                                      host_pool.head_dim, host_pool.dtype, device, host_pool.v_head_dim)
         host_pages = host_pool.num_slots // page_size
         self.map = torch.zeros(host_pages, dtype=torch.int64)  # host page -> cache page (0: not cached)
-        self.owner = [0] * (num_pages + 1)  # cache page -> host page (0: free; page 0 is the padding page)
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached host pages, least recently touched first
         self.free = list(range(num_pages, 0, -1))
         self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
         self.stats = {"pages_in": 0, "pages_dropped": 0, "rows_written_back": 0}
 
     # ---- per forward ------------------------------------------------------------------------
-    def view(self, fb: ForwardBatch, req_to_token: torch.Tensor) -> tuple[CachedTable, torch.Tensor]:
-        """Makes the pages fb touches resident and translates its tables -> (the table the forward reads
-        as req_to_token_pool, its out_cache_loc in cache slots). fb's own tensors are not changed."""
+    def view(self, fb: ForwardBatch, req_to_token: torch.Tensor) -> CachedView:
+        """Makes the pages fb touches resident and translates its tables. fb's own tensors are not changed."""
         ps, dev = self.page_size, self.table.device
         rows, extents, exact_tokens = touched(fb)
         spans = []
@@ -89,21 +92,17 @@ class DevicePageCache:
                 self.table[r, lo:h] = t
         out = loc.clone()
         out[exact_tokens] = self._translate(exact_loc)
-        return CachedTable(self.table), out.to(self.table.device)
+        return CachedView(self.table, out.to(dev), exact_tokens)
 
-    def write_back(self, fb: ForwardBatch, host_loc: torch.Tensor, cache_loc: torch.Tensor) -> None:
-        """Copies the exact rows the forward wrote (host slots host_loc, cache slots cache_loc: fb's
-        out_cache_loc before and after view) to the host pool, every layer."""
-        exact_tokens = touched(fb)[2]
-        if len(exact_tokens) == 0:
+    def write_back(self, view: CachedView, host_loc: torch.Tensor) -> None:
+        """Copies the exact rows the forward over `view` wrote to the host pool (host slots host_loc:
+        fb's out_cache_loc before the view), every layer."""
+        tokens = view.exact_tokens
+        if len(tokens) == 0:
             return
-        host_loc = host_loc.cpu()[exact_tokens]
-        dev_loc = cache_loc[exact_tokens.to(cache_loc.device)]
-        for layer in range(self.host.num_layers):
-            for src, dst in ((self.pool.k_buffer[layer], self.host.k_buffer[layer]),
-                             (self.pool.v_buffer[layer], self.host.v_buffer[layer])):
-                dst.index_copy_(0, host_loc, src.index_select(0, dev_loc).to(dst.device))
-        self.stats["rows_written_back"] += len(host_loc)
+        host_slots = host_loc.cpu()[tokens]
+        copy_rows(self.pool, view.out_cache_loc[tokens.to(view.out_cache_loc.device)], self.host, host_slots)
+        self.stats["rows_written_back"] += len(host_slots)
 
     def invalidate(self, host_pages: list[int] | None) -> None:
         """Host pages the allocator freed (None: all of them): their cache copies are dropped."""
@@ -136,22 +135,26 @@ class DevicePageCache:
             return
         cache_pages = [self.free.pop() for _ in missing]
         for p, c in zip(missing, cache_pages):
-            self.map[p], self.owner[c] = c, p
+            self.map[p] = c
             self.lru[p] = None
         ps, ar = self.page_size, torch.arange(self.page_size)
         host_slots = (torch.tensor(missing)[:, None] * ps + ar).flatten()
-        dev_slots = (torch.tensor(cache_pages)[:, None] * ps + ar).flatten().to(self.table.device)
-        for layer in range(self.host.num_layers):
-            for src, dst in ((self.host.k_buffer[layer], self.pool.k_buffer[layer]),
-                             (self.host.v_buffer[layer], self.pool.v_buffer[layer])):
-                dst.index_copy_(0, dev_slots, src.index_select(0, host_slots).to(dst.device, non_blocking=True))
+        cache_slots = (torch.tensor(cache_pages)[:, None] * ps + ar).flatten().to(self.table.device)
+        copy_rows(self.host, host_slots, self.pool, cache_slots)
         self.stats["pages_in"] += len(missing)
 
     def _drop(self, host_page: int, cache_page: int) -> None:
         self.map[host_page] = 0
-        self.owner[cache_page] = 0
         self.lru.pop(host_page, None)
         self.free.append(cache_page)
+
+
+def copy_rows(src: MHATokenToKVPool, src_slots: torch.Tensor, dst: MHATokenToKVPool, dst_slots: torch.Tensor) -> None:
+    """dst's rows dst_slots = src's rows src_slots, K and V of every layer (slots on their pool's device).
+    Copies onto an accelerator are queued (non_blocking); copies to the host complete before it returns."""
+    for layer in range(src.num_layers):
+        for s, d in ((src.k_buffer[layer], dst.k_buffer[layer]), (src.v_buffer[layer], dst.v_buffer[layer])):
+            d.index_copy_(0, dst_slots, s.index_select(0, src_slots).to(d.device, non_blocking=d.device.type != "cpu"))
 
 
 def touched(fb: ForwardBatch) -> tuple[list[int], list[tuple[int, int]], torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.attention.registry import create_attention_backend
-from sglang_vericache.mem_cache.device_page_cache import DevicePageCache
+from sglang_vericache.mem_cache.device_page_cache import DevicePageCache, pages_one_forward_touches
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
@@ -145,11 +145,11 @@ class ModelRunner:
             if tokens is None and args.device_kv_budget is not None:
                 tokens = parse_bytes(args.device_kv_budget) // bytes_per_token
             cache_pages = min(num_pages, -(-tokens // ps)) if tokens is not None else num_pages
-            # One forward touches at most a prefill chunk and every running request's tail and new pages,
-            # plus the resident requests' contexts (the placement's budget, within the device budget).
-            # VeriCache without a link verifies every request over the cache: it holds the whole pool.
+            # Besides the resident requests' contexts (the placement's budget, within the device budget), one
+            # forward's pages; VeriCache without a link verifies every request over the cache: the whole pool.
             whole = args.kv_mode == "vericache" and not args.uses_link
-            least = num_pages if whole else -(-args.chunked_prefill_size // ps) + 2 * args.max_running_requests + 1
+            least = num_pages if whole else pages_one_forward_touches(args.chunked_prefill_size,
+                                                                      args.max_running_requests, ps)
             if cache_pages < min(least, num_pages):
                 raise ValueError(
                     f"--exact-kv-cache-tokens {cache_pages * ps} is too small: a forward may touch "
@@ -203,13 +203,14 @@ class ModelRunner:
         fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, kv
         host_loc = fb.out_cache_loc
         if cache is not None:  # the batch's tables in cache slots, its pages resident
-            fb.req_to_token_pool, fb.out_cache_loc = cache.view(fb, self.req_to_token_pool.req_to_token)
+            view = cache.view(fb, self.req_to_token_pool.req_to_token)
+            fb.req_to_token_pool, fb.out_cache_loc = view, view.out_cache_loc
         fb.attn_backend = self.attn_backend
         fb.capture_hidden = self.capture_hidden
         try:
             logits = self._forward(fb)
             if cache is not None:  # the host pool holds every row the forward wrote
-                cache.write_back(fb, host_loc, fb.out_cache_loc)
+                cache.write_back(view, host_loc)
             return logits
         finally:
             fb.out_cache_loc = host_loc  # the caller's batch keeps its host slots
