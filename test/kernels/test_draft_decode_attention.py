@@ -155,7 +155,7 @@ def test_one_request_one_chunk_and_no_tail_or_draft(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group_size", [4, 8])
+@pytest.mark.parametrize("group_size", [4, 8, 32])
 @pytest.mark.parametrize("name", ["int8", "fp8", "kivi2", "kivi4", "kvquant3", "rotatekv2", "rotatekv4"])
 def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size, dtype):
     """Chunks of one token: each request's only key is one dequantized row, and softmax over one key
@@ -167,6 +167,22 @@ def test_a_single_key_returns_its_dequantized_value_row_bitwise(name, group_size
     ids = torch.tensor([r[0][0] for r in case.reqs])
     _, v = case.pool.decompress(0, ids)  # [6, Hkv, D], one row per chunk
     assert torch.equal(case.run(), v.to(dtype).float().repeat_interleave(G, dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [16, 32])
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_pre_rope_rows_of_the_common_head_dims(name, group_size, head_dim, dtype):
+    """Head dims 64 and 128 with scale groups of whole 16-lane vectors: under AVX-512 kvquant's and rotatekv's
+    rows are dequantized, transformed and rotated in registers (kvquant_rows_fused / rotatekv_rows_fused;
+    elsewhere the general loops). The attention as the reference's, and every value row of one-key
+    requests bitwise as decompress().to(dtype)."""
+    case = Case(name, dtype, seed=8, group_size=group_size, head_dim=head_dim)
+    assert (case.run() - case.reference()).abs().max().item() < 2e-6
+    one = Case(name, dtype, mix=[(1, 0, 0)] * 6, seed=9, group_size=group_size, chunk=1, head_dim=head_dim)
+    _, v = one.pool.decompress(0, torch.tensor([r[0][0] for r in one.reqs]))
+    assert torch.equal(one.run(), v.to(dtype).float().repeat_interleave(G, dim=1))
 
 
 # Where AVX-512 dequantizes 16 values at a time, what is left goes through the 8-lane code: rows of 40

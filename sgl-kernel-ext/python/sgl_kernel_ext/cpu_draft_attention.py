@@ -70,6 +70,7 @@ def compressed_layer(
             return None
         cos, sin = (t.float().contiguous() for t in rope_table)
         d = cos.shape[-1]
+        cos, sin = _one_angle_per_pair(cos, sin)
         bits = 8 * buffers["k_codes"].shape[-1] // d
         if names == set(KVQUANT_NAMES):
             return CompressedLayer("kvquant", bits, (*(buffers[n] for n in KVQUANT_NAMES), cos, sin))
@@ -100,6 +101,23 @@ def compressed_layer(
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_HALVES: dict[int, tuple] = {}  # id(cos) -> (cos, its halves or None): the last few tables seen
+
+
+def _one_angle_per_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [P, D] RoPE table whose channel pairs (d, d + D/2) share their angles (ChunkRope's: cos, sin
+    = cat(freqs, freqs)) as its first halves [P, D/2], which the kernel reads alone (half the loads per
+    key row); any other table as it is. Checked once per table object (the tables are cached)."""
+    hit = _HALVES.get(id(cos))
+    if hit is None or hit[0] is not cos:
+        h = cos.shape[-1] // 2
+        same = torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
+        if len(_HALVES) > 16:
+            _HALVES.clear()
+        hit = _HALVES[id(cos)] = (cos, sin, (cos[:, :h].contiguous(), sin[:, :h].contiguous()) if same else None)
+    if hit[1] is not sin:
+        return cos, sin
+    return hit[2] if hit[2] is not None else (cos, sin)
 
 
 def draft_decode_attention(

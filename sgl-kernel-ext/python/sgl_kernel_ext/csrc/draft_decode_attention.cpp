@@ -27,7 +27,8 @@
 //                 (bits 2-4, 8 codes per `bits` bytes), key scale/zero [NC, Hkv, D], value scale/zero
 //                 [NC, T, Hkv] f16, levels [NC, L] f16, outliers [NC, N_o] (exact dtype; int16 / int32
 //                 ascending flat indices into [T, Hkv, D]), pos [NC, T] or [NC, T, Hkv] int32, cos/sin
-//                 [P, D] float32 (the compressor's RoPE table): k = RoPE(level * scale + zero, outliers)
+//                 [P, D] float32 (the compressor's RoPE table), or [P, D/2] where a channel pair's two
+//                 halves share one angle (the table's first half): k = RoPE(level * scale + zero, outliers)
 //               kind 5 rotatekv: [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pos, cos, sin]: codes
 //                 [NC, T, Hkv, D*bits/8] (bits 2/4), scale/zero [NC, T, Hkv, D/Gr] f16 per group of Gr
 //                 rotated channels; params = [key_heads, block]: keys are Hadamard-transformed over the
@@ -249,6 +250,16 @@ inline __m512i codes16(const uint8_t* packed, int64_t i) {
   return _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(bytes), shifts), _mm512_set1_epi32((1 << BITS) - 1));
 }
 
+// Codes i..i+31 of a 4-bit row (i a multiple of 32) as two vectors of 16 in order: the 16 bytes widened once,
+// low / high nibbles (the even / odd codes) split, then interleaved back (7 instructions for 32 codes where two
+// codes16 take 8, and 2 fewer on the shuffle port).
+inline void codes32_4(const uint8_t* packed, int64_t i, __m512i* lo, __m512i* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2)));
+  const __m512i even = _mm512_and_si512(b, _mm512_set1_epi32(15)), odd = _mm512_srli_epi32(b, 4);
+  *lo = _mm512_permutex2var_epi32(even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd);
+  *hi = _mm512_permutex2var_epi32(even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), odd);
+}
+
 template <int BITS>
 inline __m512 kivi_codes16(const uint8_t* packed, int64_t i) {
   return _mm512_cvtepi32_ps(codes16<BITS>(packed, i));  // < 16: exact
@@ -304,7 +315,8 @@ struct Rotated {
   int64_t n_out = 0;
   const int32_t* pos = nullptr;  // [NC, R] or [NC, R, Hkv]
   bool pos_per_head = false;
-  const float *cos = nullptr, *sin = nullptr;  // [P, D]
+  const float *cos = nullptr, *sin = nullptr;  // [P, D], or [P, D / 2] (half)
+  bool half = false;  // one angle per channel pair: row p's pair (d, d + D / 2) at cos[p, d]
   int64_t P = 0;
   int64_t group = 0, key_heads = 1, block = 0;  // rotatekv
 };
@@ -340,7 +352,7 @@ struct Scratch {
   std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
   int64_t kvq_cursor[2] = {0, 0};  // kvquant_rows: how far the chunk's K / V outlier lists were read
   Scratch(const Shape& sh, int64_t rows)
-      : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(CHUNK),
+      : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(2 * CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
         v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
@@ -436,9 +448,10 @@ inline vfloat merge8(vfloat x, const float* p, uint32_t bits) {
 }
 
 // out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate), rounded to TO;
-// rotate_half(x) = [-x2, x1].
+// rotate_half(x) = [-x2, x1]. The upper half's angles are c / s + hc: hc = D / 2 for a [P, D] table row,
+// 0 for a [P, D / 2] one (a pair's two channels share one angle; Rotated::half).
 template <Elem TO>
-inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
+inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D, int64_t hc) {
   const int64_t h = D / 2;
   if (h % VW == 0) {
     int64_t d = 0;
@@ -447,7 +460,7 @@ inline void rope_row(const float* x, const float* c, const float* s, float* out,
       const __m512 a = _mm512_loadu_ps(x + d), b = _mm512_loadu_ps(x + d + h);
       // a*c + (-b)*s as a*c - b*s: (-b)*s is -(b*s) exactly, and x + (-y) is x - y
       const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)), _mm512_mul_ps(b, _mm512_loadu_ps(s + d)));
-      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + d + h)), _mm512_mul_ps(a, _mm512_loadu_ps(s + d + h)));
+      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + d + hc)), _mm512_mul_ps(a, _mm512_loadu_ps(s + d + hc)));
       _mm512_storeu_ps(out + d, rounded<TO>(lo));
       _mm512_storeu_ps(out + d + h, rounded<TO>(hi));
     }
@@ -455,12 +468,12 @@ inline void rope_row(const float* x, const float* c, const float* s, float* out,
     for (; d < h; d += VW) {
       const vfloat a = vload(x + d), b = vload(x + d + h);
       vstore(out + d, rounded<TO>(a * vload(c + d) + (-b) * vload(s + d)));
-      vstore(out + d + h, rounded<TO>(b * vload(c + d + h) + a * vload(s + d + h)));
+      vstore(out + d + h, rounded<TO>(b * vload(c + d + hc) + a * vload(s + d + hc)));
     }
     return;
   }
   for (int64_t d = 0; d < h; ++d) out[d] = rounded<TO>(x[d] * c[d] + (-x[d + h]) * s[d]);
-  for (int64_t d = h; d < D; ++d) out[d] = rounded<TO>(x[d] * c[d] + x[d - h] * s[d]);
+  for (int64_t d = h; d < D; ++d) out[d] = rounded<TO>(x[d] * c[d - h + hc] + x[d - h] * s[d - h + hc]);
 }
 
 // float(1 / sqrt(n)) for n = 2^k, computed in double as rotatekv.fwht does (once: a table by k).
@@ -625,7 +638,7 @@ inline void minmax_row(const uint8_t* packed, int64_t bits, const uint16_t* sc16
 inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, int64_t R, int64_t j, int64_t hk,
                             int64_t Hkv, int64_t D) {
   const int64_t p = rt.pos_per_head ? rt.pos[(id * R + j) * Hkv + hk] : rt.pos[id * R + j];
-  return table + p * D;
+  return table + p * (rt.half ? D / 2 : D);
 }
 
 #ifdef DRAFT_AVX512
@@ -701,7 +714,8 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
     vstore(x + d, merge8(kx, kpat + d, mask_bits(st.k_mask.data(), base + d, VW)));
     vstore(vd + d, rounded<TO>(merge8(vx, vpat + d, mask_bits(st.v_mask.data(), base + d, VW))));
   }
-  rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D);
+  rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D,
+                rt.half ? 0 : D / 2);
 }
 
 #ifdef DRAFT_AVX512
@@ -725,8 +739,10 @@ inline void kvq_outlier_groups(const Rotated& rt, bool key, int64_t id, int64_t*
                      id * n * (rt.out_elem == F32 ? 4 : 2);
   const int32_t* i32 = static_cast<const int32_t*>(idx);
   const int16_t* i16 = static_cast<const int16_t*>(idx);
+  auto at = [&](int64_t i) -> int64_t { return rt.idx32 ? i32[i] : i16[i]; };
   int64_t e = *cursor;
-  while (e < n && (rt.idx32 ? i32[e] : i16[e]) < end) ++e;
+  if (n > 0 && at(n - 1) < end) e = n;  // the rest of the list (a whole chunk: every one)
+  else while (e < n && at(e) < end) ++e;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i dmask = _mm512_set1_epi32((1 << shift) - 1);
   for (int64_t c = *cursor; c < e; c += 16) {
@@ -759,6 +775,91 @@ inline __mmask16 kvq_this_head(const Scratch& st, int64_t Hkv, int64_t hk, __mma
   return on;
 }
 
+// The exact outliers of chunk id's K (key) or V rows of KV head hk, dense: patch[j * D + d] = value and bit
+// j * D + d of mask set (16-bit words, D = 1 << shift), for the fused row loop to merge 16 lanes at a time by
+// masked loads (the patch written once per chunk, long before its rows read it).
+inline void head_outliers(const Rotated& rt, bool key, int64_t id, int64_t T, int64_t Hkv, int64_t hk, int shift,
+                          float* patch, uint16_t* mask, Scratch& st) {
+  std::memset(mask, 0, (T << shift) / 8);
+  int64_t cursor = 0;
+  alignas(64) int32_t flats[16];
+  kvq_outlier_groups(rt, key, id, &cursor, T, Hkv, shift, [&](__mmask16 m, __m512i rh, __m512i d, __m512 x) {
+    __m512i j;
+    const __mmask16 on = kvq_this_head(st, Hkv, hk, m, rh, &j);
+    const __m512i flat = _mm512_add_epi32(_mm512_slli_epi32(j, shift), d);
+    _mm512_mask_i32scatter_ps(patch, on, flat, x, 4);
+    _mm512_mask_compressstoreu_epi32(flats, on, flat);
+    for (int i = 0, n = __builtin_popcount(on); i < n; ++i) mask[flats[i] >> 4] |= uint16_t(1u << (flats[i] & 15));
+  });
+}
+
+// kvquant_rows for a head dim DC known at compile time (64, 128): each row dequantized, its outliers merged
+// and its key rotated in registers (no pre-RoPE copy stored and read back), the channel ranges held in
+// registers. The same operations on the same values as kvquant_row: the rows bitwise.
+template <int BITS, Elem TO, int DC>
+void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                        float* kd, float* vd, Scratch& st) {
+  constexpr int NV = DC / 16, NH = NV / 2, shift = __builtin_ctz(DC);
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, rs = Hkv * nb, hc = rt.half ? 0 : DC / 2;
+  float* kpat = st.k_patch.data();
+  float* vpat = st.v_patch.data();
+  uint16_t* kmask = reinterpret_cast<uint16_t*>(st.k_mask.data());
+  uint16_t* vmask = reinterpret_cast<uint16_t*>(st.v_mask.data());
+  if (j0 == 0) {  // a new chunk: its levels, per-channel key ranges and this head's outliers
+    kvquant_chunk_ranges(cp, sh, id, hk, st);
+    head_outliers(rt, true, id, T, Hkv, hk, shift, kpat, kmask, st);
+    head_outliers(rt, false, id, T, Hkv, hk, shift, vpat, vmask, st);
+  }
+  const __m512 kl16 = _mm512_loadu_ps(st.klv.data()), vl16 = _mm512_loadu_ps(st.vlv.data());
+  __m512 ks[NV], kz[NV];
+  for (int i = 0; i < NV; ++i) ks[i] = _mm512_loadu_ps(st.ks.data() + 16 * i), kz[i] = _mm512_loadu_ps(st.kz.data() + 16 * i);
+  const uint8_t* kc0 = static_cast<const uint8_t*>(cp.k) + id * T * rs + hk * nb;
+  const uint8_t* vc0 = static_cast<const uint8_t*>(cp.v) + id * T * rs + hk * nb;
+  const uint16_t* vs0 = cp.v_scale + id * T * Hkv + hk;
+  const uint16_t* vz0 = cp.v_zero + id * T * Hkv + hk;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* kc = kc0 + j * rs;
+    const uint8_t* vc = vc0 + j * rs;
+    const float* c = rope_at(rt, rt.cos, id, T, j, hk, Hkv, DC);
+    const float* sn = rope_at(rt, rt.sin, id, T, j, hk, Hkv, DC);
+    float* ko = kd + (j - j0) * DC;
+    float* vo = vd + (j - j0) * DC;
+    __m512 x[NV];
+    __m512i kq[NV], vq[NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i += 2) {
+      if constexpr (BITS == 4) {
+        codes32_4(kc, 16 * i, &kq[i], &kq[i + 1]);
+        codes32_4(vc, 16 * i, &vq[i], &vq[i + 1]);
+      } else {
+        kq[i] = kvq_codes16<BITS>(kc, 16 * i), kq[i + 1] = kvq_codes16<BITS>(kc, 16 * i + 16);
+        vq[i] = kvq_codes16<BITS>(vc, 16 * i), vq[i + 1] = kvq_codes16<BITS>(vc, 16 * i + 16);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      x[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq[i], kl16), ks[i]), kz[i]);
+      x[i] = _mm512_mask_loadu_ps(x[i], _cvtu32_mask16(kmask[j * NV + i]), kpat + j * DC + 16 * i);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NH; ++i) {  // rope_row's arithmetic
+      const __m512 a = x[i], b = x[i + NH];
+      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + 16 * i)), _mm512_mul_ps(b, _mm512_loadu_ps(sn + 16 * i)));
+      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + hc + 16 * i)),
+                                      _mm512_mul_ps(a, _mm512_loadu_ps(sn + hc + 16 * i)));
+      _mm512_storeu_ps(ko + 16 * i, rounded<TO>(lo));
+      _mm512_storeu_ps(ko + DC / 2 + 16 * i, rounded<TO>(hi));
+    }
+    const __m512 vsc16 = _mm512_set1_ps(half_to_float(vs0[j * Hkv])), vz16 = _mm512_set1_ps(half_to_float(vz0[j * Hkv]));
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(vq[i], vl16), vsc16), vz16);
+      _mm512_storeu_ps(vo + 16 * i, rounded<TO>(_mm512_mask_loadu_ps(v, _cvtu32_mask16(vmask[j * NV + i]), vpat + j * DC + 16 * i)));
+    }
+  }
+}
+
 // Whether kvquant_rows serves this layout: 16-lane rows of a power-of-two head dim (the outliers' flat
 // indices split by shifts).
 inline bool kvquant_segments(const Compressed& cp, const Shape& sh) {
@@ -769,8 +870,8 @@ inline bool kvquant_segments(const Compressed& cp, const Shape& sh) {
 // vd + (j - j0) * D. A chunk's rows come in order from row 0 (segments may split a chunk between two 64-key
 // windows): its first segment loads its ranges, st.kvq_cursor carries how far its outlier lists were read.
 template <int BITS, Elem TO>
-void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* kd,
-                  float* vd, Scratch& st) {
+void kvquant_rows_any_dim(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                          float* kd, float* vd, Scratch& st) {
   const Rotated& rt = cp.rt;
   const int64_t T = cp.rows, D = sh.D, Hkv = sh.Hkv, nb = D * BITS / 8, rs = Hkv * nb;
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(D));
@@ -806,14 +907,24 @@ void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0,
       _mm512_mask_i32scatter_ps(dst, on, _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(j, vj0), shift), d), x, 4);
     });
   }
+  const int64_t hc = rt.half ? 0 : D / 2;
   for (int64_t j = j0; j < j1; ++j) {
     rope_row<TO>(kpre + (j - j0) * D, rope_at(rt, rt.cos, id, T, j, hk, Hkv, D), rope_at(rt, rt.sin, id, T, j, hk, Hkv, D),
-                 kd + (j - j0) * D, D);
+                 kd + (j - j0) * D, D, hc);
     if constexpr (TO != F32) {
       float* v = vd + (j - j0) * D;
       for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(v + d, rounded<TO>(_mm512_loadu_ps(v + d)));
     }
   }
+}
+
+// Rows [j0, j1) of chunk id, KV head hk: kvquant_rows_fused for head dims 64 and 128, else kvquant_rows_any_dim.
+template <int BITS, Elem TO>
+void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* kd,
+                  float* vd, Scratch& st) {
+  if (sh.D == 64) kvquant_rows_fused<BITS, TO, 64>(cp, sh, id, j0, j1, hk, kd, vd, st);
+  else if (sh.D == 128) kvquant_rows_fused<BITS, TO, 128>(cp, sh, id, j0, j1, hk, kd, vd, st);
+  else kvquant_rows_any_dim<BITS, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
 }
 
 template <Elem TO>
@@ -853,13 +964,103 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t hk = hk0 + hh, row = (id * R + j) * Hkv + hk;
     rope_row<TO>(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
-             kd + hh * stride, D);
+             kd + hh * stride, D, rt.half ? 0 : D / 2);
     float* v = vd + hh * stride_v;
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
     if constexpr (!folds_values<TO>)
       fwht_blocks<TO>(v, D, rt.block);
   }
+}
+
+#ifdef DRAFT_AVX512
+// rotatekv_rows for a head dim DC known at compile time and NHK heads per Hadamard group (block == DC, scale
+// groups of whole vectors): each head's key row dequantized, the heads' transform done and each key rotated
+// in registers (no pre-transform copy stored and read back). The same operations on the same values as
+// rotatekv_rows: the rows bitwise.
+template <int BITS, Elem TO, int DC, int NHK>
+void rotatekv_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, float* kd,
+                         float* vd, int64_t stride, int64_t stride_v) {
+  constexpr int NV = DC / 16, N = NV * NHK, NH = NV / 2;
+  const Rotated& rt = cp.rt;
+  const int64_t R = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, ng = DC / rt.group, gv = rt.group / 16;
+  const int64_t hc = rt.half ? 0 : DC / 2;
+  // min-max codes * scale + zero (two roundings) for the NV vectors of row r (K or V) into x
+  auto dequant = [&](const void* codes, const uint16_t* scale, const uint16_t* zero, int64_t r, __m512* x) {
+    const uint8_t* c = static_cast<const uint8_t*>(codes) + r * nb;
+    __m512i q[NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i += 2) {
+      if constexpr (BITS == 4) codes32_4(c, 16 * i, &q[i], &q[i + 1]);
+      else q[i] = codes16<BITS>(c, 16 * i), q[i + 1] = codes16<BITS>(c, 16 * i + 16);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const int64_t g = r * ng + i / gv;
+      x[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q[i]), _mm512_set1_ps(half_to_float(scale[g]))),
+                           _mm512_set1_ps(half_to_float(zero[g])));
+    }
+  };
+  __m512 x[N];
+#pragma GCC unroll 4
+  for (int hh = 0; hh < NHK; ++hh) dequant(cp.k, cp.k_scale, cp.k_zero, (id * R + j) * Hkv + hk0 + hh, x + hh * NV);
+  // fwht over the NHK * DC channels (fwht_regs's butterflies), then its scaling
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = fwht16(x[i]);
+  fwht_strides<__m512, N>(x);
+  const __m512 f = _mm512_set1_ps(fwht_scale(NHK * DC));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = _mm512_mul_ps(x[i], f);
+#pragma GCC unroll 4
+  for (int hh = 0; hh < NHK; ++hh) {
+    const int64_t hk = hk0 + hh;
+    const float* c = rope_at(rt, rt.cos, id, R, j, hk, Hkv, DC);
+    const float* sn = rope_at(rt, rt.sin, id, R, j, hk, Hkv, DC);
+    float* ko = kd + hh * stride;
+#pragma GCC unroll 4
+    for (int i = 0; i < NH; ++i) {  // rope_row's arithmetic
+      const __m512 a = x[hh * NV + i], b = x[hh * NV + NH + i];
+      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + 16 * i)), _mm512_mul_ps(b, _mm512_loadu_ps(sn + 16 * i)));
+      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + hc + 16 * i)),
+                                      _mm512_mul_ps(a, _mm512_loadu_ps(sn + hc + 16 * i)));
+      _mm512_storeu_ps(ko + 16 * i, rounded<TO>(lo));
+      _mm512_storeu_ps(ko + DC / 2 + 16 * i, rounded<TO>(hi));
+    }
+    __m512 v[NV];
+    dequant(cp.v, cp.v_scale, cp.v_zero, (id * R + j) * Hkv + hk, v);
+    float* vo = vd + hh * stride_v;
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(vo + 16 * i, v[i]);
+    if constexpr (!folds_values<TO>) fwht_blocks<TO>(vo, DC, rt.block);
+  }
+}
+#endif
+
+// rotatekv_rows, through rotatekv_rows_fused where it serves the layout.
+template <Elem TO>
+void rotatekv_rows_any(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, int64_t nh, float* kd,
+                       float* vd, int64_t stride, int64_t stride_v, Scratch& st) {
+#ifdef DRAFT_AVX512
+  const int64_t D = sh.D;
+  if (cp.rt.block == D && cp.rt.group % 16 == 0 && (cp.bits == 2 || cp.bits == 4)) {
+    auto go = [&](auto bits, auto dc, auto nhk) {
+      rotatekv_rows_fused<decltype(bits)::value, TO, decltype(dc)::value, decltype(nhk)::value>(cp, sh, id, j, hk0, kd, vd,
+                                                                                              stride, stride_v);
+    };
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    using I1 = std::integral_constant<int, 1>;
+    using D64 = std::integral_constant<int, 64>;
+    using D128 = std::integral_constant<int, 128>;
+    const bool b4 = cp.bits == 4;
+    if (D == 64 && nh == 1) return b4 ? go(I4{}, D64{}, I1{}) : go(I2{}, D64{}, I1{});
+    if (D == 64 && nh == 2) return b4 ? go(I4{}, D64{}, I2{}) : go(I2{}, D64{}, I2{});
+    if (D == 64 && nh == 4) return b4 ? go(I4{}, D64{}, I4{}) : go(I2{}, D64{}, I4{});
+    if (D == 128 && nh == 1) return b4 ? go(I4{}, D128{}, I1{}) : go(I2{}, D128{}, I1{});
+    if (D == 128 && nh == 2) return b4 ? go(I4{}, D128{}, I2{}) : go(I2{}, D128{}, I2{});
+  }
+#endif
+  rotatekv_rows<TO>(cp, sh, id, j, hk0, nh, kd, vd, stride, stride_v, st);
 }
 
 // Asks for what the row loop will read of compressed row j of chunk id, KV heads hk0 .. hk0 + nh - 1:
@@ -1015,7 +1216,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       } else if (i < n_comp) {
         if (ahead_chunk < cp.lens[b]) ahead();
         if (cp.kind == ROTATEKV) {
-          rotatekv_rows<TO>(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
+          rotatekv_rows_any<TO>(cp, sh, ids[chunk], j, hk0, nh, kd, vd, CHUNK * D, CHUNK * Dv, st);
           for (int64_t hh = 0; hh < nh; ++hh) kp[hh * CHUNK + c] = kd + hh * CHUNK * D, vp[hh * CHUNK + c] = vd + hh * CHUNK * Dv;
         } else {  // nh == 1
           compressed_row<TO>(cp, sh, ids[chunk], j, group, hk0, kd, vd, &kp[c], &vp[c], st);
@@ -1035,10 +1236,15 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     }
     for (int64_t hh = 0; hh < nh; ++hh)
       for (int64_t c = cn; c < cn8; ++c) kp[hh * CHUNK + c] = st.zero.data();  // padding lanes: -inf below
-    for (int64_t qi = 0; qi < QH; ++qi) {
-      const int64_t hh = qi / G;
-      attend_chunk({st.qf.data() + qi * D, st.s.data(), &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv}, kp + hh * CHUNK,
-                   vp + hh * CHUNK, cn, D, Dv);
+    auto state = [&](int64_t qi, int64_t slot) {  // slot: which CHUNK floats of score scratch
+      return HeadState{st.qf.data() + qi * D, st.s.data() + slot * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv};
+    };
+    for (int64_t hh = 0; hh < nh; ++hh) {  // a KV head's query heads two at a time (rows loaded once for both)
+      const float* const* kh = kp + hh * CHUNK;
+      const float* const* vh = vp + hh * CHUNK;
+      int64_t g = 0;
+      for (; g + 1 < G; g += 2) attend_chunk2(state(hh * G + g, 0), state(hh * G + g + 1, 1), kh, vh, cn, cn, D, Dv);
+      if (g < G) attend_chunk(state(hh * G + g, 0), kh, vh, cn, D, Dv);
     }
     if (fold && c0 + cn == n_comp)
       for (int64_t qi = 0; qi < QH; ++qi)
@@ -1112,9 +1318,10 @@ void set_rotated(Compressed& cp, at::TensorList comp, at::IntArrayRef params, co
   TORCH_CHECK(pos.scalar_type() == at::kInt && pos.size(0) == nc && pos.size(1) == R &&
                   (pos.dim() == 2 || (pos.dim() == 3 && pos.size(2) == Hkv)),
               "draft_decode_attention: pos must be int32 [NC, T] or [NC, T, Hkv]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
-                  sin.scalar_type() == at::kFloat,
-              "draft_decode_attention: cos / sin must be float32 [P, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && (cos.size(1) == D || cos.size(1) == D / 2) &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
+              "draft_decode_attention: cos / sin must be float32 [P, D] or [P, D / 2]");
+  rt.half = cos.size(1) == D / 2;
   rt.pos = pos.data_ptr<int32_t>();
   rt.pos_per_head = pos.dim() == 3;
   rt.cos = cos.data_ptr<float>();
