@@ -351,6 +351,7 @@ struct Scratch {
   std::vector<int32_t> rh_row, rh_head;  // kvquant_rows, Hkv not a power of two: row * Hkv + head -> row, head
   std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
   int64_t kvq_cursor[2] = {0, 0};  // kvquant_rows: how far the chunk's K / V outlier lists were read
+  std::vector<int32_t> own;  // head_outliers: one head's outliers of a chunk
   Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(2 * CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
@@ -781,16 +782,19 @@ inline __mmask16 kvq_this_head(const Scratch& st, int64_t Hkv, int64_t hk, __mma
 inline void head_outliers(const Rotated& rt, bool key, int64_t id, int64_t T, int64_t Hkv, int64_t hk, int shift,
                           float* patch, uint16_t* mask, Scratch& st) {
   std::memset(mask, 0, (T << shift) / 8);
-  int64_t cursor = 0;
-  alignas(64) int32_t flats[16];
+  if (static_cast<int64_t>(st.own.size()) < rt.n_out + 16) st.own.resize(rt.n_out + 16);
+  int32_t* own = st.own.data();  // this head's flat indices into [T, D], in order
+  int64_t cursor = 0, n = 0;
   kvq_outlier_groups(rt, key, id, &cursor, T, Hkv, shift, [&](__mmask16 m, __m512i rh, __m512i d, __m512 x) {
     __m512i j;
     const __mmask16 on = kvq_this_head(st, Hkv, hk, m, rh, &j);
     const __m512i flat = _mm512_add_epi32(_mm512_slli_epi32(j, shift), d);
     _mm512_mask_i32scatter_ps(patch, on, flat, x, 4);
-    _mm512_mask_compressstoreu_epi32(flats, on, flat);
-    for (int i = 0, n = __builtin_popcount(on); i < n; ++i) mask[flats[i] >> 4] |= uint16_t(1u << (flats[i] & 15));
+    _mm512_mask_compressstoreu_epi32(own + n, on, flat);
+    n += __builtin_popcount(on);
   });
+  // the mask bits after every group's compressed store (a scalar load right behind a compressed store waits for it)
+  for (int64_t i = 0; i < n; ++i) mask[own[i] >> 4] |= uint16_t(1u << (own[i] & 15));
 }
 
 // kvquant_rows for a head dim DC known at compile time (64, 128): each row dequantized, its outliers merged
