@@ -2,7 +2,7 @@
 and writing exact KV through an accelerator page cache smaller than the pool. On a CPU both are host
 memory, but separate tensors: a forward reads only what the cache was given, so a missing page, a wrong
 translation or a row not written back changes the output. VeriCache and lossy output stay deterministic
-full mode's, tokens and logprobs, bitwise, in bfloat16."""
+full mode's, tokens and logprobs, bitwise, in bfloat16 and float32."""
 
 from __future__ import annotations
 
@@ -90,6 +90,20 @@ def test_fixed_schedules_and_a_prefix_hit(llama, reference, schedule):
     again = run(sched, [batch[0]])
     assert again == [full[0]] and sched.metrics.spec_rounds_total > 0
     assert sched.tree_cache.total_size() > 0
+
+
+def test_float32_streamed_rounds_through_a_small_cache(llama):
+    """float32 (the other tests: bfloat16): staggered rounds whose verifications stream from the host pool,
+    and the cache (40 pages of the run's ~57) dropping pages and writing rows back."""
+    batch = prompts(seed=2)
+    full = run(scheduler(llama, dtype="float32"), batch)
+    sched = scheduler(llama, dtype="float32", **VC, vericache_schedule="staggered", speculative_num_draft_tokens="6",
+                      exact_kv_pool="host", exact_kv_cache_tokens=40 * PAGE, chunked_prefill_size=64,
+                      link_bandwidth="1GB")
+    assert sched.model_runner.dtype == torch.float32
+    assert run(sched, batch) == full
+    assert sched.metrics.spec_rounds_total > 0 and sched.link.engine.bytes_total > 0
+    assert cache_of(sched).stats["pages_dropped"] > 0 and cache_of(sched).stats["rows_written_back"] > 0
 
 
 def test_lossy_mode_reads_its_tail_through_the_cache(llama):

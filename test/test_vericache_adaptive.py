@@ -36,9 +36,9 @@ def prompts(vocab=400, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def scheduler(path, coef=None, **server) -> Scheduler:
+def scheduler(path, coef=None, dtype="bfloat16", **server) -> Scheduler:
     server.setdefault("verify_staging_tokens", 512)
-    sched = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", skip_tokenizer_init=True, page_size=PAGE,
+    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=PAGE,
                                  enable_deterministic_inference=True, max_running_requests=8, **server))
     if coef is not None:
         sched.spec_worker.controller.cost.pin(coef)
