@@ -776,6 +776,22 @@ inline __mmask16 kvq_this_head(const Scratch& st, int64_t Hkv, int64_t hk, __mma
   return on;
 }
 
+// rope_row's arithmetic on a row held in NV registers (16 lanes each), stored rounded to TO at out.
+template <Elem TO, int NV>
+__attribute__((always_inline)) inline void rope_regs(const __m512* x, const float* c, const float* s, int64_t hc,
+                                                     float* out) {
+  constexpr int NH = NV / 2;
+#pragma GCC unroll 4
+  for (int i = 0; i < NH; ++i) {
+    const __m512 a = x[i], b = x[i + NH];
+    const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + 16 * i)), _mm512_mul_ps(b, _mm512_loadu_ps(s + 16 * i)));
+    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + hc + 16 * i)),
+                                    _mm512_mul_ps(a, _mm512_loadu_ps(s + hc + 16 * i)));
+    _mm512_storeu_ps(out + 16 * i, rounded<TO>(lo));
+    _mm512_storeu_ps(out + NH * 16 + 16 * i, rounded<TO>(hi));
+  }
+}
+
 // The exact outliers of chunk id's K (key) or V rows of KV head hk, dense: patch[j * D + d] = value and bit
 // j * D + d of mask set (16-bit words, D = 1 << shift), for the fused row loop to merge 16 lanes at a time by
 // masked loads (the patch written once per chunk, long before its rows read it).
@@ -803,7 +819,7 @@ inline void head_outliers(const Rotated& rt, bool key, int64_t id, int64_t T, in
 template <int BITS, Elem TO, int DC>
 void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
                         float* kd, float* vd, Scratch& st) {
-  constexpr int NV = DC / 16, NH = NV / 2, shift = __builtin_ctz(DC);
+  constexpr int NV = DC / 16, shift = __builtin_ctz(DC);
   const Rotated& rt = cp.rt;
   const int64_t T = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, rs = Hkv * nb, hc = rt.half ? 0 : DC / 2;
   float* kpat = st.k_patch.data();
@@ -846,15 +862,7 @@ void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64
       x[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq[i], kl16), ks[i]), kz[i]);
       x[i] = _mm512_mask_loadu_ps(x[i], _cvtu32_mask16(kmask[j * NV + i]), kpat + j * DC + 16 * i);
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < NH; ++i) {  // rope_row's arithmetic
-      const __m512 a = x[i], b = x[i + NH];
-      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + 16 * i)), _mm512_mul_ps(b, _mm512_loadu_ps(sn + 16 * i)));
-      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + hc + 16 * i)),
-                                      _mm512_mul_ps(a, _mm512_loadu_ps(sn + hc + 16 * i)));
-      _mm512_storeu_ps(ko + 16 * i, rounded<TO>(lo));
-      _mm512_storeu_ps(ko + DC / 2 + 16 * i, rounded<TO>(hi));
-    }
+    rope_regs<TO, NV>(x, c, sn, hc, ko);
     const __m512 vsc16 = _mm512_set1_ps(half_to_float(vs0[j * Hkv])), vz16 = _mm512_set1_ps(half_to_float(vz0[j * Hkv]));
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
@@ -985,7 +993,7 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
 template <int BITS, Elem TO, int DC, int NHK>
 void rotatekv_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t hk0, float* kd,
                          float* vd, int64_t stride, int64_t stride_v) {
-  constexpr int NV = DC / 16, N = NV * NHK, NH = NV / 2;
+  constexpr int NV = DC / 16, N = NV * NHK;
   const Rotated& rt = cp.rt;
   const int64_t R = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, ng = DC / rt.group, gv = rt.group / 16;
   const int64_t hc = rt.half ? 0 : DC / 2;
@@ -1021,15 +1029,7 @@ void rotatekv_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int6
     const float* c = rope_at(rt, rt.cos, id, R, j, hk, Hkv, DC);
     const float* sn = rope_at(rt, rt.sin, id, R, j, hk, Hkv, DC);
     float* ko = kd + hh * stride;
-#pragma GCC unroll 4
-    for (int i = 0; i < NH; ++i) {  // rope_row's arithmetic
-      const __m512 a = x[hh * NV + i], b = x[hh * NV + NH + i];
-      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + 16 * i)), _mm512_mul_ps(b, _mm512_loadu_ps(sn + 16 * i)));
-      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + hc + 16 * i)),
-                                      _mm512_mul_ps(a, _mm512_loadu_ps(sn + hc + 16 * i)));
-      _mm512_storeu_ps(ko + 16 * i, rounded<TO>(lo));
-      _mm512_storeu_ps(ko + DC / 2 + 16 * i, rounded<TO>(hi));
-    }
+    rope_regs<TO, NV>(x + hh * NV, c, sn, hc, ko);
     __m512 v[NV];
     dequant(cp.v, cp.v_scale, cp.v_zero, (id * R + j) * Hkv + hk, v);
     float* vo = vd + hh * stride_v;
