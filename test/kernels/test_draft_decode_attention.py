@@ -9,6 +9,8 @@ count. Unused pool rows are NaN, so a kernel reading past a request's keys fails
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 import pytest
@@ -93,9 +95,10 @@ class Case:
             self.reqs.append(mine)
         self.q = torch.randn(len(mix), HKV * G, head_dim, generator=gen).to(dtype)
 
-    def run(self, order: list[int] | None = None, pad: int = 0, round_to=None) -> torch.Tensor:
+    def run(self, order: list[int] | None = None, pad: int = 0, round_to=None, layer=None) -> torch.Tensor:
         """The kernel over requests `order` (default all), index rows padded by `pad` extra columns,
-        dequantized rows rounded to round_to (default: q's dtype, as the torch backend passes)."""
+        dequantized rows rounded to round_to (default: q's dtype, as the torch backend passes), reading
+        `layer` (default kernel_layer's)."""
         round_to = self.q.dtype if round_to is None else round_to
         order = list(range(len(self.reqs))) if order is None else order
 
@@ -107,7 +110,7 @@ class Case:
             return t, torch.tensor([len(x) for x in lists])
 
         chunks, tails, drafts = (table([self.reqs[i][p] for i in order]) for p in range(3))
-        layer = kernel_layer(self.comp, self.pool)
+        layer = kernel_layer(self.comp, self.pool) if layer is None else layer
         return draft_decode_attention(self.q[order], layer, *chunks, (self.tail_k, self.tail_v, *tails),
                                       (self.draft_k, self.draft_v, *drafts), self.scale, round_to)
 
@@ -257,6 +260,24 @@ def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thre
         assert torch.equal(case.run(), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_a_rope_table_is_read_by_its_first_half_where_pairs_share_an_angle(name):
+    """ChunkRope's table (cat(freqs, freqs)) reaches the kernel as its first half [P, D/2]; the whole table
+    [P, D] gives the same output bitwise; a table whose halves differ is passed whole."""
+    case = Case(name, torch.float32, seed=10, group_size=32)
+    half = kernel_layer(case.comp, case.pool)
+    cos, sin = case.comp.rope.table(torch.tensor([1024]))
+    assert half.tensors[-2].shape == (cos.shape[0], D // 2) and torch.equal(half.tensors[-2], cos[:, : D // 2])
+    whole = dataclasses.replace(half, tensors=(*half.tensors[:-2], cos, sin))
+    assert torch.equal(case.run(layer=whole), case.run(layer=half))
+    other = cos.clone()
+    other[:, D // 2 :] += 1.0
+    rotation = (case.comp.key_heads, case.comp.block) if hasattr(case.comp, "key_heads") else None
+    apart = compressed_layer(case.pool.layouts[0].kind, case.pool.buffers[0], (other, sin), rotation)
+    assert apart.tensors[-2].shape == cos.shape
+    assert not torch.equal(case.run(layer=apart), case.run(layer=half))
 
 
 def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():
