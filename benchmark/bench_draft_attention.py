@@ -20,7 +20,9 @@ timed interleaved, `--steps` in a row (the draft depth grows 1..steps), `--repea
   through the torch path (gathers, dequantized copies, SDPA: the path before the kernel) unless
   --no-torch-path.
 Each repeat's median per mode; reported: the median over repeats. Two clocks: the whole forward
-(model + attention) and the attention backend alone (metadata + every layer's attention).
+(model + attention) and the attention backend alone (metadata + every layer's attention); with
+--kernel-replay a third: one layer's kernel call of each mode captured from a step and replayed on the
+same inputs, the modes interleaved in one process (what the steps' interleaving and cache state leave out).
 Writes benchmark/results/draft_attention.{json,md}.
 """
 
@@ -85,6 +87,38 @@ def timed(runner: ModelRunner, fb, step_s: list, attn_s: list, **backend_flags) 
             setattr(backend, name, value)
 
 
+def capture_call(module, name: str, run) -> tuple:
+    """Runs run() with module.<name> (a kernel's Python entry, looked up at each call) wrapped -> (the
+    function, the args and kwargs of its first call: one layer's)."""
+    real, seen = getattr(module, name), []
+
+    def wrapped(*a, **kw):
+        if not seen:
+            seen.append((a, kw))
+        return real(*a, **kw)
+
+    setattr(module, name, wrapped)
+    try:
+        with torch.inference_mode():
+            run()
+    finally:
+        setattr(module, name, real)
+    return real, *seen[0]
+
+
+def replay(calls: dict, repeats: int, n: int = 30) -> dict:
+    """Each captured call n times in a row, the calls interleaved, `repeats` times -> {mode: median ms per
+    call}. One kernel on the same inputs in one process: free of the step's other work and cache state."""
+    ms = {m: [] for m in calls}
+    for _ in range(repeats + 1):  # the first round warms up
+        for m, (fn, a, kw) in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(*a, **kw)
+            ms[m].append(1e3 * (time.perf_counter() - t0) / n)
+    return {m: statistics.median(v[1:]) for m, v in ms.items()}
+
+
 def run_setting(args, dtype: str, threads: int) -> dict:
     """Every mode at one (dtype, thread count) -> {mode: {"step_ms", "attn_ms"}} (medians over repeats),
     and "load": the machine's 1-minute load average before and after (other jobs share the cores)."""
@@ -127,12 +161,31 @@ def run_setting(args, dtype: str, threads: int) -> dict:
                 for p in args.paths:
                     m = f"{name} {p}"
                     timed(runner, fb, step_s[m][rep], attn_s[m][rep], fused_draft=p == "fused", deterministic=False)
+    kernel_ms = {}
+    if args.kernel_replay:  # one layer's kernel call of each mode, replayed (same contexts as the steps)
+        import sgl_kernel_ext.cpu_attention as exact_kernel
+        import sgl_kernel_ext.cpu_draft_attention as draft_kernel
+
+        ids = [int(t) for t in torch.randint(3, 400, (bs,), generator=g)]
+        fb = prepare_forward_batch(runner, exact_reqs, [[t] for t in ids], ForwardMode.DECODE)
+        runner.attn_backend.deterministic = False
+        calls = {"DECODE": capture_call(exact_kernel, "fixed_chunk_attention", lambda: runner.forward(fb))}
+        draft = DraftPool(runner, num_slots=len(setups) * bs + 1)
+        for name, (cpool, dreqs) in setups.items():
+            for d in dreqs:
+                d.draft_slots = []
+            dfb = prepare_draft_batch(runner, cpool, dreqs, ids, draft)
+            calls[f"{name} fused"] = capture_call(draft_kernel, "draft_decode_attention", lambda: runner.forward(dfb))
+        kernel_ms = replay(calls, args.repeats)
+
     def med(runs: list[list[float]]) -> float:
         return 1e3 * statistics.median(statistics.median(r) for r in runs[:-1])
 
     out = {m: {"step_ms": med(step_s[m]), "attn_ms": med(attn_s[m]),
                "step_ms_per_repeat": [round(1e3 * statistics.median(r), 2) for r in step_s[m][:-1]]}
            for m in modes}
+    for m, v in kernel_ms.items():
+        out[m]["kernel_ms"] = v
     out["load"] = [load_before, os.getloadavg()[0]]
     return out
 
@@ -150,7 +203,9 @@ def table(results: dict, args) -> str:
         "kernel reading the exact KV in place, deterministic inference or not); `vs SDPA`: over the "
         "same DECODE gathering the exact KV for SDPA (full mode's step before it read the pool in place). "
         "`torch path`: the same draft step through the torch path (gathers, dequantized copies, SDPA), "
-        "the path before the fused kernel.",
+        "the path before the fused kernel."
+        + (" `kernel`: one layer's kernel call alone, replayed on the same inputs, modes interleaved in one "
+           "process (--kernel-replay): its ms and its ratio to the DECODE kernel's." if args.kernel_replay else ""),
     ]
     for key, res in results.items():
         base, sdpa = res["DECODE"], res["DECODE SDPA"]
@@ -159,8 +214,10 @@ def table(results: dict, args) -> str:
                   f"step {sdpa['step_ms']:.1f} ms, attn {sdpa['attn_ms']:.1f} ms; machine load average "
                   f"{res['load'][0]:.1f} before, {res['load'][1]:.1f} after", "",
                   "| compressor | step ms | draft/full step | vs SDPA | attn ms | draft/full attn "
-                  "| torch path step ms | torch path draft/full |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| torch path step ms | torch path draft/full |" + (" kernel ms | kernel draft/full |" if args.kernel_replay else ""),
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if args.kernel_replay else "")]
+        if args.kernel_replay and "kernel_ms" in base:
+            lines.insert(-3, f"DECODE kernel alone: {base['kernel_ms']:.3f} ms per layer")
         for name in args.compressors:
             f, t = res.get(f"{name} fused"), res.get(f"{name} torch")
             cells = [name]
@@ -171,6 +228,9 @@ def table(results: dict, args) -> str:
             else:
                 cells += ["-"] * 5
             cells += [f"{t['step_ms']:.1f}", f"{t['step_ms'] / base['step_ms']:.2f}x"] if t else ["-", "-"]
+            if args.kernel_replay:
+                k = f.get("kernel_ms") if f else None
+                cells += [f"{k:.3f}", f"{k / base['kernel_ms']:.2f}x"] if k and "kernel_ms" in base else ["-", "-"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -192,6 +252,9 @@ def main() -> None:
     p.add_argument("--out", default="draft_attention", help="Results name: benchmark/results/OUT.{json,md}.")
     p.add_argument("--no-torch-path", action="store_true", help="Time drafts through the fused kernel only.")
     p.add_argument("--no-write", action="store_true", help="Print only; do not write benchmark/results.")
+    p.add_argument("--kernel-replay", action="store_true",
+                   help="Also time one layer's kernel call of each mode alone, replayed on the same inputs with "
+                        "the modes interleaved in one process (steadier than the steps on a noisy machine).")
     args = p.parse_args()
     args.paths = ["fused"] if args.no_torch_path else ["fused", "torch"]
     results = {}
