@@ -101,7 +101,7 @@ def compressed_layer(
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_HALVES: dict[int, tuple] = {}  # id(cos) -> (cos, its halves or None): the last few tables seen
+_HALVES: dict[int, tuple] = {}  # id(cos) -> (cos, sin, their halves or None): the last few tables seen
 
 
 def _one_angle_per_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +112,7 @@ def _one_angle_per_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Ten
     if hit is None or hit[0] is not cos:
         h = cos.shape[-1] // 2
         same = torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
-        if len(_HALVES) > 16:
+        if len(_HALVES) >= 4:  # tables grow by doubling: old ones are not asked for again
             _HALVES.clear()
         hit = _HALVES[id(cos)] = (cos, sin, (cos[:, :h].contiguous(), sin[:, :h].contiguous()) if same else None)
     if hit[1] is not sin:
