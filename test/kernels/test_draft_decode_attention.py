@@ -10,7 +10,6 @@ count. Unused pool rows are NaN, so a kernel reading past a request's keys fails
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 
 import pytest

@@ -315,8 +315,9 @@ struct Rotated {
   int64_t n_out = 0;
   const int32_t* pos = nullptr;  // [NC, R] or [NC, R, Hkv]
   bool pos_per_head = false;
-  const float *cos = nullptr, *sin = nullptr;  // [P, D], or [P, D / 2] (half)
-  bool half = false;  // one angle per channel pair: row p's pair (d, d + D / 2) at cos[p, d]
+  const float *cos = nullptr, *sin = nullptr;  // [P, D], or [P, D / 2]: one angle per channel pair (d, d + D / 2)
+  int64_t rope_width = 0;  // the table's row: D or D / 2
+  int64_t rope_hc = 0;  // where the upper half's angles are in a row: D / 2 for a [P, D] table, 0 for [P, D / 2]
   int64_t P = 0;
   int64_t group = 0, key_heads = 1, block = 0;  // rotatekv
 };
@@ -449,8 +450,7 @@ inline vfloat merge8(vfloat x, const float* p, uint32_t bits) {
 }
 
 // out = x * cos + rotate_half(x) * sin (three roundings, as ChunkRope.rotate), rounded to TO;
-// rotate_half(x) = [-x2, x1]. The upper half's angles are c / s + hc: hc = D / 2 for a [P, D] table row,
-// 0 for a [P, D / 2] one (a pair's two channels share one angle; Rotated::half).
+// rotate_half(x) = [-x2, x1]. The upper half's angles are at c / s + hc (Rotated::rope_hc).
 template <Elem TO>
 inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D, int64_t hc) {
   const int64_t h = D / 2;
@@ -637,9 +637,9 @@ inline void minmax_row(const uint8_t* packed, int64_t bits, const uint16_t* sc16
 }
 
 inline const float* rope_at(const Rotated& rt, const float* table, int64_t id, int64_t R, int64_t j, int64_t hk,
-                            int64_t Hkv, int64_t D) {
+                            int64_t Hkv) {
   const int64_t p = rt.pos_per_head ? rt.pos[(id * R + j) * Hkv + hk] : rt.pos[id * R + j];
-  return table + p * (rt.half ? D / 2 : D);
+  return table + p * rt.rope_width;
 }
 
 #ifdef DRAFT_AVX512
@@ -715,8 +715,8 @@ void kvquant_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, i
     vstore(x + d, merge8(kx, kpat + d, mask_bits(st.k_mask.data(), base + d, VW)));
     vstore(vd + d, rounded<TO>(merge8(vx, vpat + d, mask_bits(st.v_mask.data(), base + d, VW))));
   }
-  rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D), kd, D,
-                rt.half ? 0 : D / 2);
+  rope_row<TO>(x, rope_at(rt, rt.cos, id, R, j, hk, Hkv), rope_at(rt, rt.sin, id, R, j, hk, Hkv), kd, D,
+                rt.rope_hc);
 }
 
 #ifdef DRAFT_AVX512
@@ -740,10 +740,8 @@ inline void kvq_outlier_groups(const Rotated& rt, bool key, int64_t id, int64_t*
                      id * n * (rt.out_elem == F32 ? 4 : 2);
   const int32_t* i32 = static_cast<const int32_t*>(idx);
   const int16_t* i16 = static_cast<const int16_t*>(idx);
-  auto at = [&](int64_t i) -> int64_t { return rt.idx32 ? i32[i] : i16[i]; };
   int64_t e = *cursor;
-  if (n > 0 && at(n - 1) < end) e = n;  // the rest of the list (a whole chunk: every one)
-  else while (e < n && at(e) < end) ++e;
+  while (e < n && (rt.idx32 ? i32[e] : i16[e]) < end) ++e;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i dmask = _mm512_set1_epi32((1 << shift) - 1);
   for (int64_t c = *cursor; c < e; c += 16) {
@@ -821,7 +819,7 @@ void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64
                         float* kd, float* vd, Scratch& st) {
   constexpr int NV = DC / 16, shift = __builtin_ctz(DC);
   const Rotated& rt = cp.rt;
-  const int64_t T = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, rs = Hkv * nb, hc = rt.half ? 0 : DC / 2;
+  const int64_t T = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, rs = Hkv * nb;
   float* kpat = st.k_patch.data();
   float* vpat = st.v_patch.data();
   uint16_t* kmask = reinterpret_cast<uint16_t*>(st.k_mask.data());
@@ -841,8 +839,8 @@ void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* kc = kc0 + j * rs;
     const uint8_t* vc = vc0 + j * rs;
-    const float* c = rope_at(rt, rt.cos, id, T, j, hk, Hkv, DC);
-    const float* sn = rope_at(rt, rt.sin, id, T, j, hk, Hkv, DC);
+    const float* c = rope_at(rt, rt.cos, id, T, j, hk, Hkv);
+    const float* sn = rope_at(rt, rt.sin, id, T, j, hk, Hkv);
     float* ko = kd + (j - j0) * DC;
     float* vo = vd + (j - j0) * DC;
     __m512 x[NV];
@@ -862,7 +860,7 @@ void kvquant_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int64
       x[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(kq[i], kl16), ks[i]), kz[i]);
       x[i] = _mm512_mask_loadu_ps(x[i], _cvtu32_mask16(kmask[j * NV + i]), kpat + j * DC + 16 * i);
     }
-    rope_regs<TO, NV>(x, c, sn, hc, ko);
+    rope_regs<TO, NV>(x, c, sn, rt.rope_hc, ko);
     const __m512 vsc16 = _mm512_set1_ps(half_to_float(vs0[j * Hkv])), vz16 = _mm512_set1_ps(half_to_float(vz0[j * Hkv]));
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
@@ -919,10 +917,9 @@ void kvquant_rows_any_dim(const Compressed& cp, const Shape& sh, int64_t id, int
       _mm512_mask_i32scatter_ps(dst, on, _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(j, vj0), shift), d), x, 4);
     });
   }
-  const int64_t hc = rt.half ? 0 : D / 2;
   for (int64_t j = j0; j < j1; ++j) {
-    rope_row<TO>(kpre + (j - j0) * D, rope_at(rt, rt.cos, id, T, j, hk, Hkv, D), rope_at(rt, rt.sin, id, T, j, hk, Hkv, D),
-                 kd + (j - j0) * D, D, hc);
+    rope_row<TO>(kpre + (j - j0) * D, rope_at(rt, rt.cos, id, T, j, hk, Hkv), rope_at(rt, rt.sin, id, T, j, hk, Hkv),
+                 kd + (j - j0) * D, D, rt.rope_hc);
     if constexpr (TO != F32) {
       float* v = vd + (j - j0) * D;
       for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(v + d, rounded<TO>(_mm512_loadu_ps(v + d)));
@@ -975,8 +972,8 @@ void rotatekv_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j,
   else fwht_blocks<F32>(x, D, rt.block);  // nh == 1
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t hk = hk0 + hh, row = (id * R + j) * Hkv + hk;
-    rope_row<TO>(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv, D), rope_at(rt, rt.sin, id, R, j, hk, Hkv, D),
-             kd + hh * stride, D, rt.half ? 0 : D / 2);
+    rope_row<TO>(x + hh * D, rope_at(rt, rt.cos, id, R, j, hk, Hkv), rope_at(rt, rt.sin, id, R, j, hk, Hkv),
+             kd + hh * stride, D, rt.rope_hc);
     float* v = vd + hh * stride_v;
     minmax_row(static_cast<const uint8_t*>(cp.v) + row * nb, cp.bits, cp.v_scale + row * ng, cp.v_zero + row * ng,
                rt.group, v, D);
@@ -996,7 +993,6 @@ void rotatekv_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int6
   constexpr int NV = DC / 16, N = NV * NHK;
   const Rotated& rt = cp.rt;
   const int64_t R = cp.rows, Hkv = sh.Hkv, nb = DC * BITS / 8, ng = DC / rt.group, gv = rt.group / 16;
-  const int64_t hc = rt.half ? 0 : DC / 2;
   // min-max codes * scale + zero (two roundings) for the NV vectors of row r (K or V) into x
   auto dequant = [&](const void* codes, const uint16_t* scale, const uint16_t* zero, int64_t r, __m512* x) {
     const uint8_t* c = static_cast<const uint8_t*>(codes) + r * nb;
@@ -1026,10 +1022,10 @@ void rotatekv_rows_fused(const Compressed& cp, const Shape& sh, int64_t id, int6
 #pragma GCC unroll 4
   for (int hh = 0; hh < NHK; ++hh) {
     const int64_t hk = hk0 + hh;
-    const float* c = rope_at(rt, rt.cos, id, R, j, hk, Hkv, DC);
-    const float* sn = rope_at(rt, rt.sin, id, R, j, hk, Hkv, DC);
+    const float* c = rope_at(rt, rt.cos, id, R, j, hk, Hkv);
+    const float* sn = rope_at(rt, rt.sin, id, R, j, hk, Hkv);
     float* ko = kd + hh * stride;
-    rope_regs<TO, NV>(x + hh * NV, c, sn, hc, ko);
+    rope_regs<TO, NV>(x + hh * NV, c, sn, rt.rope_hc, ko);
     __m512 v[NV];
     dequant(cp.v, cp.v_scale, cp.v_zero, (id * R + j) * Hkv + hk, v);
     float* vo = vd + hh * stride_v;
@@ -1325,7 +1321,8 @@ void set_rotated(Compressed& cp, at::TensorList comp, at::IntArrayRef params, co
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && (cos.size(1) == D || cos.size(1) == D / 2) &&
                   sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
               "draft_decode_attention: cos / sin must be float32 [P, D] or [P, D / 2]");
-  rt.half = cos.size(1) == D / 2;
+  rt.rope_width = cos.size(1);
+  rt.rope_hc = cos.size(1) == D ? D / 2 : 0;
   rt.pos = pos.data_ptr<int32_t>();
   rt.pos_per_head = pos.dim() == 3;
   rt.cos = cos.data_ptr<float>();
