@@ -63,7 +63,7 @@ class Case:
     """A compressed pool (one layer) and exact / draft pools holding MIX's requests under shuffled ids."""
 
     def __init__(self, name: str, dtype: torch.dtype, mix=MIX, seed: int = 0, group_size: int = 8, chunk: int = T,
-                 head_dim: int = D):
+                 head_dim: int = D, position_gap: int = 0):
         gen = torch.Generator().manual_seed(seed)
         self.scale = head_dim**-0.5
         cfg = CompressorConfig(name, ratio=3, chunk_size=chunk, num_layers=1, num_kv_heads=HKV, num_q_heads=HKV * G,
@@ -88,6 +88,7 @@ class Case:
                 v = rows(c * chunk, dtype, gen, head_dim).unflatten(0, (c, chunk))
                 qw = random_scoring_input(self.comp, 0, (c,), gen, dtype)
                 pos = torch.arange(c * chunk).view(c, chunk)
+                pos[:, chunk // 2 :] += position_gap  # a gap inside every chunk
                 self.pool.write(0, torch.tensor(mine[0]), self.comp.compress(0, k, v, q=qw, positions=pos))
             for slots, kp, vp in ((mine[1], self.tail_k, self.tail_v), (mine[2], self.draft_k, self.draft_v)):
                 kp[slots], vp[slots] = rows(len(slots), dtype, gen, head_dim), rows(len(slots), dtype, gen, head_dim)
@@ -233,6 +234,25 @@ def test_kvquant_kv_head_counts_one_and_not_a_power_of_two(name, num_kv_heads, m
     assert out.shape == (3, num_kv_heads * G, D)
     assert (out - case.reference()).abs().max().item() < 2e-6
     assert torch.equal(case.run([1, 2])[1], out[2])
+
+
+@pytest.mark.parametrize("heads_per_kv_head", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [16, 32, 48])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", ["kvquant3", "kvquant4"])
+def test_kvquant_keys_scored_from_their_codes(name, head_dim, chunk, heads_per_kv_head, monkeypatch):
+    """Float32 rows (what the model passes), head dims 64 / 128, chunks of a multiple of 16 rows at consecutive
+    positions: under AVX-512 the keys are scored 16 at a time from their codes and the values summed from theirs
+    (kvquant_key_scores / value_sums; chunks of 48 are split between 64-key windows), with 1, 2 and 3 query heads
+    per KV head; queries in bfloat16 as the model's. The attention as the reference's, a request's output bitwise
+    the same alone, and with every chunk's positions broken by a gap (the row path) the reference's again."""
+    monkeypatch.setattr(sys.modules[__name__], "G", heads_per_kv_head)
+    mix = [(3, 5, 2), (1, 0, 1), (4, 11, 0), (2, 0, 0)]
+    for gap in (0, 3):
+        case = Case(name, torch.bfloat16, mix=mix, seed=11, chunk=chunk, head_dim=head_dim, position_gap=gap)
+        out = case.run(round_to=torch.float32)
+        assert (out - case.reference(round_to=torch.float32)).abs().max().item() < 2e-6
+        assert torch.equal(case.run([2], round_to=torch.float32)[0], out[2])
 
 
 @pytest.mark.parametrize("group_size", [4, 16, 32])

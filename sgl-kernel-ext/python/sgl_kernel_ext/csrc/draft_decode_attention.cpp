@@ -10,6 +10,11 @@
 // expanded in memory beyond one chunk of 64 keys per thread. Under AVX-512 rows are dequantized 16
 // values at a time (the arithmetic is elementwise: the same values).
 //
+// kvquant with float32 rows (what the model passes), head dims 64 / 128 and chunks of consecutive positions builds
+// no rows at all (kvquant_key_scores, under AVX-512): keys are scored 16 to a vector from their codes and values
+// summed from theirs. The same dequantized values; the scores and sums are rounded in another order (the
+// attention as the row path's to float32 rounding, not bitwise).
+//
 // Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
 // go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
 // result depends on its query and its keys only: not on the batch, other rows, padding or the
@@ -56,6 +61,15 @@ using namespace attn;
 enum Kind : int64_t { TOKEN_DROP = 0, INT8 = 1, FP8 = 2, KIVI = 3, KVQUANT = 4, ROTATEKV = 5 };
 
 constexpr int64_t PREFETCH_ROWS = 16;  // compressed rows asked for ahead of the row loop (prefetch_row)
+
+// Where channel d of a 4-bit row lands when its 16-byte groups are widened and split into low / high nibbles
+// (value_codes): (2-, 3-bit rows keep channel order).
+template <int BITS>
+constexpr int64_t code_lane(int64_t d) {
+  if constexpr (BITS != 4) return d;
+  const int64_t b = d >> 1;
+  return 32 * (b >> 4) + 16 * (d & 1) + (b & 15);
+}
 
 typedef uint8_t vbyte __attribute__((vector_size(VW)));
 typedef int8_t vsbyte __attribute__((vector_size(VW)));
@@ -320,6 +334,10 @@ struct Rotated {
   int64_t rope_hc = 0;  // where the upper half's angles are in a row: D / 2 for a [P, D] table, 0 for [P, D / 2]
   int64_t P = 0;
   int64_t group = 0, key_heads = 1, block = 0;  // rotatekv
+  // kvquant_key_scores (key_scores_apply): RoPE angles of offsets j < T from a chunk's first position,
+  // [D / 2, T] (pair-major), built once per call; null where the path does not apply.
+  const float *rel_cos = nullptr, *rel_sin = nullptr;
+  bool one_angle = false;  // each channel pair's two halves of the table hold one angle (a rotation)
 };
 
 struct Compressed {
@@ -353,12 +371,25 @@ struct Scratch {
   std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
   int64_t kvq_cursor[2] = {0, 0};  // kvquant_rows: how far the chunk's K / V outlier lists were read
   std::vector<int32_t> own;  // head_outliers: one head's outliers of a chunk
+  // kvquant_key_scores: a chunk's per-channel level tables [D, 16], its key outliers channel-major [D, T]
+  // with their bits (16-bit words [D, T / 16]), the queries rotated back to its first position [G, D], and
+  // the window's scores [G, CHUNK]
+  std::vector<float> ktab, kpat_t, qrot, sg;
+  std::vector<uint16_t> kmask_t;
+  // value_sums: per query head the sum of p * scale * level in the codes' lane order [G, D] and of p * zero [G];
+  // the chunk's value scales / zeros of the head [T] (vtmp: every head's, converted); its value outliers as
+  // (row, channel, exact - dequantized) lists; the window's p * scale [G, CHUNK]
+  std::vector<float> accq, zsum, vsc, vzr, vtmp, vo_x, pp, m0;
+  std::vector<int32_t> vo_j, vo_d;
+  int64_t vo_n = 0;
   Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(2 * CHUNK),
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
         v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
-        kpre(rows ? CHUNK * sh.D : 0) {
+        kpre(rows ? CHUNK * sh.D : 0), ktab(rows ? 16 * sh.D : 0), kpat_t(rows * sh.D), qrot(rows ? sh.G * sh.D : 0),
+        sg(rows ? sh.G * CHUNK : 0), kmask_t(rows * sh.D / 16 + 1), accq(rows ? sh.G * sh.D : 0), zsum(sh.G),
+        vsc(rows + 16), vzr(rows + 16), vtmp(rows * sh.Hkv + 16), pp(rows ? sh.G * CHUNK : 0), m0(sh.H) {
     if (sh.Hkv & (sh.Hkv - 1)) {  // kvq_this_head splits a power-of-two count by shifts
       rh_row.resize(rows * sh.Hkv), rh_head.resize(rows * sh.Hkv);
       for (int64_t i = 0; i < rows * sh.Hkv; ++i)
@@ -943,7 +974,345 @@ void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0,
   else if (cp.bits == 3) kvquant_rows<3, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
   else kvquant_rows<4, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
 }
+
+// ---- kvquant_key_scores: kvquant keys scored 16 to a vector, no key row built.
+// A chunk's keys are codes of pre-RoPE values with one scale / zero per channel, so channel ch of 16 keys is
+// one permute of a 16-entry table (level * scale + zero of each code, as decompress computes it) indexed by
+// their codes; RoPE at position p0 + j is RoPE at p0 composed with RoPE at j (angles add), so the score of key j
+// is (the query rotated back by p0) . RoPE_j(key), and RoPE_j's angles for 16 consecutive j are one load from a
+// pair-major table of offsets j < T (Rotated::rel_cos / rel_sin). The scores are then 2 fused multiply-adds a
+// channel pair and query head per 16 keys, with no horizontal sums. Scores differ from the row path's (dot8 over
+// RoPE'd rows) by rounding only; the value rows are kvquant_rows_fused's. Where it applies (key_scores_apply):
+// AVX-512, float32 rows (TO == F32: what the model passes), head dims 64 / 128, chunks of a multiple of 16 rows
+// with one position per row, consecutive, and a RoPE table whose channel pairs share their angles (one_angle).
+
+// Whether a call can take the key-score path (a request also needs consecutive positions: key_scores_request).
+inline bool key_scores_apply(const Compressed& cp, const Shape& sh) {
+  const Rotated& rt = cp.rt;
+  return cp.kind == KVQUANT && cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D &&
+         cp.rows % 16 == 0 && !rt.pos_per_head && rt.one_angle && rt.P >= cp.rows;
+}
+
+// Whether every chunk of request b holds positions p0, p0 + 1, ..., p0 + T - 1.
+inline bool key_scores_request(const Compressed& cp, int64_t b) {
+  const int64_t T = cp.rows;
+  for (int64_t c = 0; c < cp.lens[b]; ++c) {
+    const int32_t* p = cp.rt.pos + cp.ids[b * cp.width + c] * T;
+    for (int64_t j = 1; j < T; ++j)
+      if (p[j] != p[0] + j) return false;
+  }
+  return true;
+}
+
+// What chunk id's keys of KV head hk need before its rows are scored: the tables, the outliers channel-major and
+// the G scaled queries qf [G, D] rotated back by the chunk's first position.
+template <int DC>
+void key_scores_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, const float* qf, Scratch& st) {
+  constexpr int H = DC / 2, shift = __builtin_ctz(DC);
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, L = rt.num_levels;
+  float lv[16];
+  for (int e = 0; e < 16; ++e) lv[e] = st.klv[e & (L - 1)];  // codes' bits past the level count: ignored
+  const __m512 lv16 = _mm512_loadu_ps(lv);
+  for (int ch = 0; ch < DC; ++ch)
+    _mm512_storeu_ps(st.ktab.data() + 16 * ch,
+                     _mm512_add_ps(_mm512_mul_ps(lv16, _mm512_set1_ps(st.ks[ch])), _mm512_set1_ps(st.kz[ch])));
+  uint16_t* mask = st.kmask_t.data();
+  std::memset(mask, 0, DC * T / 16 * sizeof(uint16_t));
+  if (static_cast<int64_t>(st.own.size()) < rt.n_out + 16) st.own.resize(rt.n_out + 16);
+  int32_t* own = st.own.data();
+  int64_t cursor = 0, n = 0;
+  const __m512i vT = _mm512_set1_epi32(static_cast<int32_t>(T));
+  kvq_outlier_groups(rt, true, id, &cursor, T, sh.Hkv, shift, [&](__mmask16 m, __m512i rh, __m512i d, __m512 x) {
+    __m512i j;
+    const __mmask16 on = kvq_this_head(st, sh.Hkv, hk, m, rh, &j);
+    const __m512i flat = _mm512_add_epi32(_mm512_mullo_epi32(d, vT), j);  // [D, T]
+    _mm512_mask_i32scatter_ps(st.kpat_t.data(), on, flat, x, 4);
+    _mm512_mask_compressstoreu_epi32(own + n, on, flat);
+    n += __builtin_popcount(on);
+  });
+  for (int64_t i = 0; i < n; ++i) mask[own[i] >> 4] |= uint16_t(1u << (own[i] & 15));
+  const int64_t p0 = rt.pos[id * T];
+  const float* c = rt.cos + p0 * rt.rope_width;
+  const float* s = rt.sin + p0 * rt.rope_width;
+  for (int64_t g = 0; g < sh.G; ++g) {
+    const float* q = qf + g * DC;
+    float* r = st.qrot.data() + g * DC;
+    for (int i = 0; i < H; i += 16) {  // RoPE at -p0: (a, b) -> (a cos + b sin, b cos - a sin)
+      const __m512 a = _mm512_loadu_ps(q + i), bb = _mm512_loadu_ps(q + i + H);
+      const __m512 ci = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
+      _mm512_storeu_ps(r + i, _mm512_fmadd_ps(a, ci, _mm512_mul_ps(bb, si)));
+      _mm512_storeu_ps(r + i + H, _mm512_fmsub_ps(bb, ci, _mm512_mul_ps(a, si)));
+    }
+  }
+}
+
+// Codes of 8 consecutive channels (group m) of 16 rows, one 32-bit lane per row (lane l: the row at kc + l * rs),
+// from the dword at byte min(BITS * m, NB - 4) of each row (no read past a row); code t of the group at bit
+// group_shift<BITS, NB>(m) + BITS * t.
+template <int BITS, int NB>
+constexpr int group_at(int m) {
+  return BITS * m + 4 <= NB ? BITS * m : NB - 4;
+}
+template <int BITS, int NB>
+constexpr int group_shift(int m) {
+  return 8 * (BITS * m - group_at<BITS, NB>(m));
+}
+
+// Scores of rows [j0, j1) of chunk id (multiples of 16), KV head hk, for query heads [g0, g0 + NG) into
+// st.sg[g * CHUNK + off + j - j0]; key_scores_chunk has prepared the chunk.
+template <int BITS, int DC, int NG>
+void key_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                     int64_t g0, int64_t off, Scratch& st) {
+  constexpr int H = DC / 2, NB = DC * BITS / 8, NA = NG >= 4 ? 2 : 4;
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, TW = T / 16;
+  const uint8_t* kc0 = static_cast<const uint8_t*>(cp.k) + (id * T * sh.Hkv + hk) * NB;
+  const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rs)));
+  const float* tab = st.ktab.data();
+  const float* pat = st.kpat_t.data();
+  const __mmask16* mask = reinterpret_cast<const __mmask16*>(st.kmask_t.data());
+  const float* qr = st.qrot.data() + g0 * DC;
+  for (int64_t j = j0; j < j1; j += 16) {
+    const uint8_t* kc = kc0 + j * rs;
+    const float* rc = rt.rel_cos + j;
+    const float* rsn = rt.rel_sin + j;
+    __m512 acc[NG][NA];
+    for (int g = 0; g < NG; ++g)
+      for (int a = 0; a < NA; ++a) acc[g][a] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < H / 8; ++m) {
+      const __m512i ga = _mm512_i32gather_epi32(vidx, kc + group_at<BITS, NB>(m), 1);
+      const __m512i gb = _mm512_i32gather_epi32(vidx, kc + group_at<BITS, NB>(m + H / 8), 1);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const int i = 8 * m + t;
+        __m512 a = _mm512_permutexvar_ps(_mm512_srli_epi32(ga, group_shift<BITS, NB>(m) + BITS * t),
+                                         _mm512_loadu_ps(tab + 16 * i));
+        __m512 b = _mm512_permutexvar_ps(_mm512_srli_epi32(gb, group_shift<BITS, NB>(m + H / 8) + BITS * t),
+                                         _mm512_loadu_ps(tab + 16 * (i + H)));
+        a = _mm512_mask_loadu_ps(a, _load_mask16(const_cast<__mmask16*>(mask + i * TW + j / 16)), pat + i * T + j);
+        b = _mm512_mask_loadu_ps(b, _load_mask16(const_cast<__mmask16*>(mask + (i + H) * TW + j / 16)),
+                                 pat + (i + H) * T + j);
+        const __m512 c = _mm512_loadu_ps(rc + i * T), sn = _mm512_loadu_ps(rsn + i * T);
+        const __m512 lo = _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn));
+        const __m512 hi = _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn));
+        for (int g = 0; g < NG; ++g) {
+          __m512& z = acc[g][t % NA];
+          z = _mm512_fmadd_ps(_mm512_set1_ps(qr[g * DC + i]), lo, z);
+          z = _mm512_fmadd_ps(_mm512_set1_ps(qr[g * DC + i + H]), hi, z);
+        }
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      __m512 z = NA == 4 ? _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3]))
+                         : _mm512_add_ps(acc[g][0], acc[g][1]);
+      _mm512_storeu_ps(st.sg.data() + (g0 + g) * CHUNK + off + (j - j0), z);
+    }
+  }
+}
+
+// ---- kvquant values summed from their codes (the same windows): the value of channel d of row j is
+// level[code] * scale_j + zero_j, so sum_j p_j v_j[d] = sum_j (p_j scale_j) level[code_jd] + sum_j p_j zero_j: one
+// permute a 16-code vector and one fused multiply-add per query head, no value row built, and the zeros' sum once a
+// window (value_sums). The exact outliers add p_j (exact - dequantized) to their channel (value_outliers). A
+// reassociation of the row path's sum: the same values, rounded otherwise.
+//
+// Codes in lane order: 4-bit codes are widened 16 bytes at a time, low nibbles (even channels) then high (odd), so
+// the sums are kept in that order (code_lane) and put back in channel order at the end; 2 / 3 bits: channel order.
+// The codes of one row of DC channels as DC / 16 vectors in code_lane order (permute indices: bits past a code's
+// are ignored by level tables replicated to 16 entries).
+template <int BITS, int DC>
+__attribute__((always_inline)) inline void value_codes(const uint8_t* vc, __m512i* q) {
+  constexpr int NV = DC / 16;
+  if constexpr (BITS == 4) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NV / 2; ++g) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vc + 16 * g)));
+      q[2 * g] = x, q[2 * g + 1] = _mm512_srli_epi32(x, 4);
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) q[i] = kvq_codes16<BITS>(vc, 16 * i);
+  }
+}
+
+// The value side of chunk id, KV head hk, before its rows are summed: its scales / zeros as float32 (st.vsc /
+// st.vzr [T]) and its value outliers as (row, channel, exact - dequantized) (st.vo_*).
+template <int BITS, int DC>
+void value_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, Scratch& st) {
+  constexpr int NB = DC * BITS / 8, shift = __builtin_ctz(DC);
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, Hkv = sh.Hkv, n = T * Hkv;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int which = 0; which < 2; ++which) {  // scales, zeros: the chunk's [T, Hkv] block, then head hk's column
+    const uint16_t* src = (which ? cp.v_zero : cp.v_scale) + id * n;
+    float* dst = which ? st.vzr.data() : st.vsc.data();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(st.vtmp.data() + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    for (; i < n; ++i) st.vtmp[i] = half_to_float(src[i]);
+    for (int64_t j = 0; j < T; j += 16)
+      _mm512_storeu_ps(dst + j, _mm512_i32gather_ps(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane,
+                                        _mm512_set1_epi32(static_cast<int32_t>(j))), _mm512_set1_epi32(static_cast<int32_t>(Hkv))),
+                                        _mm512_set1_epi32(static_cast<int32_t>(hk))), st.vtmp.data(), 4));
+  }
+  float lv[16];
+  for (int e = 0; e < 16; ++e) lv[e] = st.vlv[e & (rt.num_levels - 1)];
+  const __m512 lv16 = _mm512_loadu_ps(lv);
+  if (static_cast<int64_t>(st.vo_j.size()) < rt.n_out + 16)
+    st.vo_j.resize(rt.n_out + 16), st.vo_d.resize(rt.n_out + 16), st.vo_x.resize(rt.n_out + 16);
+  const uint8_t* vc0 = static_cast<const uint8_t*>(cp.v) + (id * T * Hkv + hk) * NB;
+  const __m512i vrs = _mm512_set1_epi32(static_cast<int32_t>(Hkv * NB));
+  int64_t cursor = 0, m = 0;
+  kvq_outlier_groups(rt, false, id, &cursor, T, Hkv, shift, [&](__mmask16 k, __m512i rh, __m512i d, __m512 x) {
+    __m512i j;
+    const __mmask16 on = kvq_this_head(st, Hkv, hk, k, rh, &j);
+    // the code: the dword at byte min(BITS d / 8, NB - 4) of the row (no read past it), shifted
+    const __m512i bit = _mm512_mullo_epi32(d, _mm512_set1_epi32(BITS));
+    const __m512i at = _mm512_min_epi32(_mm512_srli_epi32(bit, 3), _mm512_set1_epi32(NB - 4));
+    const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), on,
+                                                     _mm512_add_epi32(_mm512_mullo_epi32(j, vrs), at), vc0, 1);
+    const __m512i code = _mm512_srlv_epi32(word, _mm512_sub_epi32(bit, _mm512_slli_epi32(at, 3)));
+    const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), on, j, st.vsc.data(), 4);
+    const __m512 zr = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), on, j, st.vzr.data(), 4);
+    const __m512 deq = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(code, lv16), sc), zr);
+    _mm512_mask_compressstoreu_epi32(st.vo_j.data() + m, on, j);
+    _mm512_mask_compressstoreu_epi32(st.vo_d.data() + m, on, d);
+    _mm512_mask_compressstoreu_ps(st.vo_x.data() + m, on, _mm512_sub_ps(x, deq));
+    m += __builtin_popcount(on);
+  });
+  st.vo_n = m;
+}
+
+// Rows [j0, j1) of chunk id, KV head hk, at window offset off, for query heads [0, G) with probabilities
+// st.sg[g * CHUNK + off + ...]: st.accq += (p * scale) level[code] per lane, st.zsum += p * zero, and the outliers'
+// p (exact - dequantized) into acc (channel order).
+template <int BITS, int DC, int NG>
+void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                      int64_t g0, int64_t off, float* acc, Scratch& st) {
+  constexpr int NV = DC / 16, NB = DC * BITS / 8;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, n = j1 - j0;
+  float lv[16];
+  for (int e = 0; e < 16; ++e) lv[e] = st.vlv[e & (cp.rt.num_levels - 1)];
+  const __m512 lv16 = _mm512_loadu_ps(lv);
+  float* pp = st.pp.data();
+  for (int g = 0; g < NG; ++g) {  // p * scale, and the zeros' sum
+    const float* p = st.sg.data() + (g0 + g) * CHUNK + off;
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {
+      const __m512 pc = _mm512_loadu_ps(p + c);
+      _mm512_storeu_ps(pp + g * CHUNK + c, _mm512_mul_ps(pc, _mm512_loadu_ps(st.vsc.data() + j0 + c)));
+      z = _mm512_fmadd_ps(pc, _mm512_loadu_ps(st.vzr.data() + j0 + c), z);
+    }
+    st.zsum[g0 + g] += _mm512_reduce_add_ps(z);
+  }
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(st.accq.data() + (g0 + g) * DC + 16 * i);
+  const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + ((id * T + j0) * sh.Hkv + hk) * NB;
+  for (int64_t c = 0; c < n; ++c, vc += rs) {
+    __m512i q[NV];
+    value_codes<BITS, DC>(vc, q);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const __m512 l = _mm512_permutexvar_ps(q[i], lv16);
+      for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(pp[g * CHUNK + c]), l, a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(st.accq.data() + (g0 + g) * DC + 16 * i, a[g][i]);
+  for (int64_t e = 0; e < st.vo_n; ++e) {  // the exact outliers (a chunk's are ~1% of its values)
+    const int64_t j = st.vo_j[e];
+    if (j < j0 || j >= j1) continue;
+    for (int g = 0; g < NG; ++g) {
+      float& o = acc[(g0 + g) * DC + st.vo_d[e]];
+      o = std::fma(st.sg[(g0 + g) * CHUNK + off + j - j0], st.vo_x[e], o);
+    }
+  }
+}
+
+template <int BITS, int DC>
+void value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, int64_t off,
+                float* acc, Scratch& st) {
+  for (int64_t g = 0; g < sh.G;) {
+    if (sh.G - g >= 4) value_sums_heads<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 4;
+    else if (sh.G - g >= 2) value_sums_heads<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 2;
+    else value_sums_heads<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 1;
+  }
+}
+
+// key_scores_rows for every query head of the KV head: 4, 2 or 1 at a time.
+template <int BITS, int DC>
+void key_scores_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                      int64_t off, Scratch& st) {
+  for (int64_t g = 0; g < sh.G;) {
+    if (sh.G - g >= 4) key_scores_rows<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, off, st), g += 4;
+    else if (sh.G - g >= 2) key_scores_rows<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, off, st), g += 2;
+    else key_scores_rows<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, off, st), g += 1;
+  }
+}
+
+// Rows [j0, j1) of chunk id, KV head hk: every query head's scores to st.sg at off + j - j0 (and, at a chunk's
+// first rows, what its keys and values need). qf: the G scaled queries of the KV head.
+template <int BITS, int DC>
+void key_scores(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                const float* qf, int64_t off, Scratch& st) {
+  if (j0 == 0) {
+    kvquant_chunk_ranges(cp, sh, id, hk, st);
+    key_scores_chunk<DC>(cp, sh, id, hk, qf, st);
+    value_chunk<BITS, DC>(cp, sh, id, hk, st);
+  }
+  key_scores_heads<BITS, DC>(cp, sh, id, j0, j1, hk, off, st);
+}
+
+// Calls f(bits, head dim) as compile-time constants (the key-score path's instances).
+template <typename F>
+inline void with_kvquant_shape(const Compressed& cp, const Shape& sh, F&& f) {
+  auto by_dim = [&](auto bits) {
+    if (sh.D == 64) f(bits, std::integral_constant<int, 64>{});
+    else f(bits, std::integral_constant<int, 128>{});
+  };
+  if (cp.bits == 2) by_dim(std::integral_constant<int, 2>{});
+  else if (cp.bits == 3) by_dim(std::integral_constant<int, 3>{});
+  else by_dim(std::integral_constant<int, 4>{});
+}
+
+// The sums value_sums keeps beside acc follow the online softmax: rescaled as softmax_chunk rescales acc
+// (alpha = exp(old max - new max), the same expression: the same value).
+inline void fold_rescale(Scratch& st, int64_t g, float m_before, int64_t D) {
+  if (m_before == st.m[g]) return;
+  const float alpha = std::exp(m_before - st.m[g]);
+  for (int64_t d = 0; d < D; ++d) st.accq[g * D + d] *= alpha;
+  st.zsum[g] *= alpha;
+}
+
+// Rows [j, j + cn) of chunk id (within the chunk) on the key-score path, one softmax chunk: scores, the online
+// softmax of the G query heads (st.m / st.l / st.acc, and st.accq / st.zsum), the values' sums.
+template <int BITS, int DC>
+void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk, Scratch& st) {
+  key_scores<BITS, DC>(cp, sh, id, j, j + cn, hk, st.qf.data(), 0, st);
+  for (int64_t g = 0; g < sh.G; ++g) {
+    const float m0 = st.m[g];
+    softmax_chunk(HeadState{nullptr, st.sg.data() + g * CHUNK, &st.m[g], &st.l[g], st.acc.data() + g * DC}, cn, DC);
+    fold_rescale(st, g, m0, DC);
+  }
+  value_sums<BITS, DC>(cp, sh, id, j, j + cn, hk, 0, st.acc.data(), st);
+}
+
+inline void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk,
+                        Scratch& st) {
+  with_kvquant_shape(cp, sh, [&](auto bits, auto dim) {
+    scored_rows<decltype(bits)::value, decltype(dim)::value>(cp, sh, id, j, cn, hk, st);
+  });
+}
+
 #else
+inline bool key_scores_apply(const Compressed&, const Shape&) { return false; }
+inline bool key_scores_request(const Compressed&, int64_t) { return false; }
+inline void fold_rescale(Scratch&, int64_t, float, int64_t) {}
+inline void scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
 inline bool kvquant_segments(const Compressed&, const Shape&) { return false; }
 template <Elem TO>
 void kvquant_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, float*, float*, Scratch&) {}
@@ -1100,6 +1469,17 @@ __attribute__((always_inline)) inline void prefetch_row(const Compressed& cp, co
   }
 }
 
+// prefetch_row for every row of chunk id (key_scores' windows: once a chunk, not a call a row).
+inline void prefetch_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk) {
+  prefetch_row(cp, sh, id, 0, hk, 1);
+  const int64_t kb = cp.row_bytes[0], vb = cp.row_bytes[1];
+  for (int64_t j = 1; j < cp.rows; ++j) {
+    const int64_t row = (id * cp.rows + j) * sh.Hkv + hk;
+    prefetch_bytes(cp.k, row * kb, kb);
+    prefetch_bytes(cp.v, row * vb, vb);
+  }
+}
+
 // Row j (key group `group` for kivi) of chunk id, KV head hk, as float32 K and V rows: *kp / *vp
 // point into the pool (float32 token-drop rows) or at kd / vd, where the row is dequantized and
 // rounded to TO (token-drop rows are exact: never rounded).
@@ -1180,6 +1560,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   const int64_t* ids = cp.ids + b * cp.width;
   const int64_t* tail_slots = tail.index + b * tail.width;
   const int64_t* draft_slots = draft.lens ? draft.index + b * draft.width : nullptr;
+  const bool scored = key_scores_apply(cp, sh) && key_scores_request(cp, b);  // kvquant_key_scores' path
   for (int64_t qi = 0; qi < QH; ++qi) {
     const float* qr = q + (b * sh.H + hk0 * G + qi) * D;
     for (int64_t d = 0; d < D; ++d) st.qf[qi * D + d] = qr[d] * scale;
@@ -1187,6 +1568,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   std::fill(st.acc.begin(), st.acc.begin() + QH * Dv, 0.f);
   std::fill(st.m.begin(), st.m.begin() + QH, -std::numeric_limits<float>::infinity());
   std::fill(st.l.begin(), st.l.begin() + QH, 0.f);
+  if (scored) std::fill(st.accq.begin(), st.accq.end(), 0.f), std::fill(st.zsum.begin(), st.zsum.end(), 0.f);
   st.group_chunk = st.group = -1;
   int64_t chunk = 0, j = 0, group = 0, in_group = 0;  // cursor over the compressed rows
   int64_t ahead_chunk = 0, ahead_j = 0;  // the next row to prefetch: PREFETCH_ROWS past the cursor
@@ -1195,11 +1577,19 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     if (++ahead_j == cp.rows) ahead_j = 0, ++ahead_chunk;
   };
   const bool segments = kvquant_segments(cp, sh);  // kvquant rows a segment (of one chunk) at a time
-  for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
+  if (scored && n_comp) prefetch_chunk(cp, sh, ids[0], hk0);
+  else for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
   const bool fold = folds_values<TO> && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
   for (int64_t c0 = 0, cn = 0; c0 < n; c0 += cn) {
+    if (scored && c0 < n_comp) {  // compressed rows of one chunk, up to CHUNK of them, on the key-score path
+      cn = std::min(CHUNK, cp.rows - j);
+      if (j == 0 && chunk + 1 < cp.lens[b]) prefetch_chunk(cp, sh, ids[chunk + 1], hk0);  // the next chunk's rows
+      scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
+      if ((j += cn) == cp.rows) j = 0, ++chunk;
+      continue;
+    }
     cn = std::min(CHUNK, (fold && c0 < n_comp ? n_comp : n) - c0);
     const int64_t cn8 = (cn + VW - 1) / VW * VW;
     for (int64_t c = 0; c < cn; ++c) {
@@ -1239,6 +1629,7 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     auto state = [&](int64_t qi, int64_t slot) {  // slot: which CHUNK floats of score scratch
       return HeadState{st.qf.data() + qi * D, st.s.data() + slot * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv};
     };
+    for (int64_t qi = 0; scored && qi < QH; ++qi) st.m0[qi] = st.m[qi];
     for (int64_t hh = 0; hh < nh; ++hh) {  // a KV head's query heads two at a time (rows loaded once for both)
       const float* const* kh = kp + hh * CHUNK;
       const float* const* vh = vp + hh * CHUNK;
@@ -1246,10 +1637,14 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       for (; g + 1 < G; g += 2) attend_chunk2(state(hh * G + g, 0), state(hh * G + g + 1, 1), kh, vh, cn, cn, D, Dv);
       if (g < G) attend_chunk(state(hh * G + g, 0), kh, vh, cn, D, Dv);
     }
+    for (int64_t qi = 0; scored && qi < QH; ++qi) fold_rescale(st, qi, st.m0[qi], Dv);
     if (fold && c0 + cn == n_comp)
       for (int64_t qi = 0; qi < QH; ++qi)
         fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
   }
+  for (int64_t qi = 0; scored && qi < QH; ++qi)  // the values' sums of the key-score path, in channel order
+    for (int64_t d = 0; d < Dv; ++d)
+      st.acc[qi * Dv + d] += st.accq[qi * Dv + (cp.bits == 4 ? code_lane<4>(d) : d)] + st.zsum[qi];
   for (int64_t qi = 0; qi < QH; ++qi) {
     float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
     const float inv = st.l[qi] > 0.f ? 1.f / st.l[qi] : 0.f;
@@ -1328,6 +1723,8 @@ void set_rotated(Compressed& cp, at::TensorList comp, at::IntArrayRef params, co
   rt.cos = cos.data_ptr<float>();
   rt.sin = sin.data_ptr<float>();
   rt.P = cos.size(0);
+  rt.one_angle = rt.rope_hc == 0 || (at::equal(cos.narrow(1, 0, D / 2), cos.narrow(1, D / 2, D / 2)) &&
+                                     at::equal(sin.narrow(1, 0, D / 2), sin.narrow(1, D / 2, D / 2)));
   if (kvq) {
     rt.num_levels = int64_t{1} << bits;
     cp.k_scale = f16(comp[1], {nc, Hkv, D}, "k_scale");
@@ -1458,6 +1855,16 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   for (int64_t i = 0; i < chunk_ids.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < nc, "draft_decode_attention: chunk id out of range");
   if (cp.rt.pos != nullptr) check_positions(cp, sh);
+  std::vector<float> rel;  // key_scores' RoPE angles of offsets [0, T), pair-major
+  if (key_scores_apply(cp, sh)) {
+    const int64_t hd = sh.D / 2;
+    rel.resize(2 * hd * R);
+    for (int64_t i = 0; i < hd; ++i)
+      for (int64_t j = 0; j < R; ++j)
+        rel[i * R + j] = cp.rt.cos[j * cp.rt.rope_width + i], rel[(hd + i) * R + j] = cp.rt.sin[j * cp.rt.rope_width + i];
+    cp.rt.rel_cos = rel.data();
+    cp.rt.rel_sin = rel.data() + hd * R;
+  }
 
   auto out = at::empty({sh.B, sh.H, sh.Dv}, q.options());
   const float* qp = q.data_ptr<float>();
