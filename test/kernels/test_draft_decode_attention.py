@@ -236,20 +236,25 @@ def test_kvquant_kv_head_counts_one_and_not_a_power_of_two(name, num_kv_heads, m
     assert torch.equal(case.run([1, 2])[1], out[2])
 
 
-@pytest.mark.parametrize("heads_per_kv_head", [1, 2, 3])
+@pytest.mark.parametrize("heads_per_kv_head", [1, 2, 3, 4])
 @pytest.mark.parametrize("chunk", [16, 32, 48])
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["kvquant3", "kvquant4"])
-def test_kvquant_keys_scored_from_their_codes(name, head_dim, chunk, heads_per_kv_head, monkeypatch):
-    """Float32 rows (what the model passes), head dims 64 / 128, chunks of a multiple of 16 rows at consecutive
-    positions: under AVX-512 the keys are scored 16 at a time from their codes and the values summed from theirs
-    (kvquant_key_scores / value_sums; chunks of 48 are split between 64-key windows), with 1, 2 and 3 query heads
-    per KV head; queries in bfloat16 as the model's. The attention as the reference's, a request's output bitwise
-    the same alone, and with every chunk's positions broken by a gap (the row path) the reference's again."""
+@pytest.mark.parametrize("name", PRE_ROPE)
+def test_pre_rope_keys_scored_from_their_codes(name, head_dim, num_kv_heads, chunk, heads_per_kv_head, monkeypatch):
+    """Float32 rows (what the model passes), chunks of a multiple of 16 rows at consecutive positions: under AVX-512
+    kvquant's and rotatekv's keys are scored 16 at a time from their codes and the values summed from theirs
+    (kvquant_key_scores / rotatekv_key_scores; chunks of 48 are split between 64-key windows), rotatekv where its
+    Hadamard transform spans at most 128 channels (one or two heads of 64, one of 128) and a KV head has 1, 2 or 4
+    query heads; the rest (3 query heads, rotatekv over two heads of 128) take the row path. Queries in bfloat16 as
+    the model's. The attention as the reference's, a request's output bitwise the same alone, and with every
+    chunk's positions broken by a gap (the row path) the reference's again."""
     monkeypatch.setattr(sys.modules[__name__], "G", heads_per_kv_head)
+    monkeypatch.setattr(sys.modules[__name__], "HKV", num_kv_heads)
     mix = [(3, 5, 2), (1, 0, 1), (4, 11, 0), (2, 0, 0)]
     for gap in (0, 3):
-        case = Case(name, torch.bfloat16, mix=mix, seed=11, chunk=chunk, head_dim=head_dim, position_gap=gap)
+        case = Case(name, torch.bfloat16, mix=mix, seed=11, chunk=chunk, head_dim=head_dim, group_size=32,
+                    position_gap=gap)
         out = case.run(round_to=torch.float32)
         assert (out - case.reference(round_to=torch.float32)).abs().max().item() < 2e-6
         assert torch.equal(case.run([2], round_to=torch.float32)[0], out[2])
@@ -281,22 +286,27 @@ def test_a_request_is_bitwise_the_same_alone_among_others_padded_and_on_one_thre
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16], ids=["fp32_rows", "bf16_rows"])
 @pytest.mark.parametrize("name", PRE_ROPE)
-def test_a_rope_table_is_read_by_its_first_half_where_pairs_share_an_angle(name):
-    """ChunkRope's table (cat(freqs, freqs)) reaches the kernel as its first half [P, D/2]; the whole table
-    [P, D] gives the same output bitwise; a table whose halves differ is passed whole."""
+def test_a_rope_table_is_read_by_its_first_half_where_pairs_share_an_angle(name, round_to):
+    """ChunkRope's table (cat(freqs, freqs)) reaches the kernel as its first half [P, D/2] and that half
+    pair-major [D/2, P]; the whole table [P, D] in the first's place gives the same output bitwise (float32 rows:
+    the key-score paths read the pair-major table; rounded rows: the row path the first); a table whose halves
+    differ is passed whole, with no pair-major copy."""
     case = Case(name, torch.float32, seed=10, group_size=32)
     half = kernel_layer(case.comp, case.pool)
     cos, sin = case.comp.rope.table(torch.tensor([1024]))
-    assert half.tensors[-2].shape == (cos.shape[0], D // 2) and torch.equal(half.tensors[-2], cos[:, : D // 2])
-    whole = dataclasses.replace(half, tensors=(*half.tensors[:-2], cos, sin))
-    assert torch.equal(case.run(layer=whole), case.run(layer=half))
+    *_, c, s, c_t, s_t = half.tensors
+    assert c.shape == (cos.shape[0], D // 2) and torch.equal(c, cos[:, : D // 2]) and torch.equal(s, sin[:, : D // 2])
+    assert torch.equal(c_t[:, : len(c)], c.t()) and torch.equal(s_t[:, : len(s)], s.t()) and c_t.is_contiguous()
+    whole = dataclasses.replace(half, tensors=(*half.tensors[:-4], cos, sin, c_t, s_t))
+    assert torch.equal(case.run(layer=whole, round_to=round_to), case.run(layer=half, round_to=round_to))
     other = cos.clone()
     other[:, D // 2 :] += 1.0
     rotation = (case.comp.key_heads, case.comp.block) if hasattr(case.comp, "key_heads") else None
     apart = compressed_layer(case.pool.layouts[0].kind, case.pool.buffers[0], (other, sin), rotation)
-    assert apart.tensors[-2].shape == cos.shape
-    assert not torch.equal(case.run(layer=apart), case.run(layer=half))
+    assert apart.tensors[-4].shape == cos.shape and apart.tensors[-2].numel() == 0
+    assert not torch.equal(case.run(layer=apart, round_to=round_to), case.run(layer=half, round_to=round_to))
 
 
 def test_unknown_layouts_are_not_claimed_and_bad_inputs_are_refused():

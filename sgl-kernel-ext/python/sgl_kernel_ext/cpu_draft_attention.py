@@ -8,7 +8,9 @@ compressors' own arithmetic (RoPE from the compressor's own cos / sin table, the
 butterflies in rotatekv.fwht's order: the rows
 equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory (rotatekv
 with float32 rows: its value rows' inverse transform is applied once to their weighted sum, equal to
-float32 rounding). The
+float32 rounding). Under AVX-512, kvquant and rotatekv with float32 rows (what the model passes) and chunks of
+consecutive positions build no rows: keys are scored 16 at a time from their codes and values summed from theirs
+(the same values, rounded in another order: equal to float32 rounding). The
 reduction is batch invariant: each (request, KV head) goes over its keys in order, 64 at a time,
 float32 online softmax; a row's output does not depend on the batch, other rows, padding or the
 thread count.
@@ -70,13 +72,13 @@ def compressed_layer(
             return None
         cos, sin = (t.float().contiguous() for t in rope_table)
         d = cos.shape[-1]
-        cos, sin = _one_angle_per_pair(cos, sin)
+        tables = _one_angle_per_pair(cos, sin)
         bits = 8 * buffers["k_codes"].shape[-1] // d
         if names == set(KVQUANT_NAMES):
-            return CompressedLayer("kvquant", bits, (*(buffers[n] for n in KVQUANT_NAMES), cos, sin))
+            return CompressedLayer("kvquant", bits, (*(buffers[n] for n in KVQUANT_NAMES), *tables))
         if rotation is None:
             return None
-        return CompressedLayer("rotatekv", bits, (*(buffers[n] for n in ROTATEKV_NAMES), cos, sin),
+        return CompressedLayer("rotatekv", bits, (*(buffers[n] for n in ROTATEKV_NAMES), *tables),
                                tuple(int(x) for x in rotation))
     if layout_kind == "token_drop" and {"k", "v"} <= names:
         return CompressedLayer("token_drop", 0, (buffers["k"], buffers["v"]))
@@ -101,23 +103,36 @@ def compressed_layer(
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_HALVES: dict[int, tuple] = {}  # id(cos) -> (cos, sin, their halves or None): the last few tables seen
+_HALVES: dict[int, tuple] = {}  # id(cos) -> (cos, sin, what _one_angle_per_pair gives): the last few tables seen
+_NO_TABLE = torch.empty(0)
 
 
-def _one_angle_per_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [P, D] RoPE table whose channel pairs (d, d + D/2) share their angles (ChunkRope's: cos, sin
-    = cat(freqs, freqs)) as its first halves [P, D/2], which the kernel reads alone (half the loads per
-    key row); any other table as it is. Checked once per table object (the tables are cached)."""
+def _pair_major(half: torch.Tensor) -> torch.Tensor:
+    """[P, D/2] -> [D/2, P + 16] (the first P columns: half transposed): rows 16 floats longer than P so the rows of a
+    block of positions do not all fall in one cache set (P is a power of two)."""
+    out = torch.zeros(half.shape[1], half.shape[0] + 16, dtype=half.dtype)
+    out[:, : half.shape[0]] = half.t()
+    return out
+
+
+def _one_angle_per_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A [P, D] RoPE table -> (cos, sin, cos_t, sin_t) as the kernel reads it. Where its channel pairs
+    (d, d + D/2) share their angles (ChunkRope's: cos, sin = cat(freqs, freqs)): the first halves [P, D/2]
+    (half the loads per key row) and the same pair-major, [D/2, P + 16] (the key-score paths read 16 positions
+    of a pair at once); any other table as it is, with no pair-major copy. Once per table object (the tables are
+    cached)."""
     hit = _HALVES.get(id(cos))
-    if hit is None or hit[0] is not cos:
+    if hit is None or hit[0] is not cos or hit[1] is not sin:
         h = cos.shape[-1] // 2
-        same = torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
+        if torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:]):
+            halves = (cos[:, :h].contiguous(), sin[:, :h].contiguous())
+            tables = (*halves, *(_pair_major(t) for t in halves))
+        else:
+            tables = (cos, sin, _NO_TABLE, _NO_TABLE)
         if len(_HALVES) >= 4:  # tables grow by doubling: old ones are not asked for again
             _HALVES.clear()
-        hit = _HALVES[id(cos)] = (cos, sin, (cos[:, :h].contiguous(), sin[:, :h].contiguous()) if same else None)
-    if hit[1] is not sin:
-        return cos, sin
-    return hit[2] if hit[2] is not None else (cos, sin)
+        hit = _HALVES[id(cos)] = (cos, sin, tables)
+    return hit[2]
 
 
 def draft_decode_attention(

@@ -283,18 +283,13 @@ inline void softmax_chunk(const HeadState& h, int64_t cn, int64_t Dv) {
   for (int64_t d = 0; d < Dv; ++d) h.acc[d] *= alpha;
 }
 
-// The chunk's scores h.s[0, cn) -> probabilities, folded into the head's state with its value rows vp.
-inline void softmax_pv(const HeadState& h, const float* const* vp, int64_t cn, int64_t Dv) {
-  softmax_chunk(h, cn, Dv);
-  pv(h.acc, h.s, vp, cn, Dv);
-}
-
 // One query head over one chunk of cn <= CHUNK keys: kp[c] its key rows (kp[cn, round8(cn)) any
 // finite rows, e.g. zeros: their scores are set to -inf), vp[c] its value rows.
 inline void attend_chunk(const HeadState& h, const float* const* kp, const float* const* vp, int64_t cn, int64_t D,
                          int64_t Dv) {
   for (int64_t c = 0; c < round8(cn); c += VW) dot8(h.q, kp + c, D, h.s + c);
-  softmax_pv(h, vp, cn, Dv);
+  softmax_chunk(h, cn, Dv);
+  pv(h.acc, h.s, vp, cn, Dv);
 }
 
 // acc0 / acc1 [d0, d0 + 32) += p0[c] / p1[c] * v[c][d0, ...] over c in [c_lo, c_hi), keys in order:
@@ -330,10 +325,12 @@ inline void pv2_block(float* acc0, float* acc1, const float* p0, const float* p1
   for (int j = 0; j < 4; ++j) vstore(acc0 + d0 + j * VW, a[j]), vstore(acc1 + d0 + j * VW, a[4 + j]);
 }
 
-// softmax_pv for two query heads over the same value rows (their first cn0 / cn1), bitwise what softmax_pv gives
-// each: each V vector loaded once for both.
-inline void softmax_pv2(const HeadState& h0, const HeadState& h1, const float* const* vp, int64_t cn0, int64_t cn1,
-                        int64_t Dv) {
+// attend_chunk for two query heads over the same key rows (their first cn0 / cn1 keys), bitwise
+// what attend_chunk gives each: the K and V vectors are loaded once for both.
+inline void attend_chunk2(const HeadState& h0, const HeadState& h1, const float* const* kp, const float* const* vp,
+                          int64_t cn0, int64_t cn1, int64_t D, int64_t Dv) {
+  const int64_t cn8 = round8(std::max(cn0, cn1));
+  for (int64_t c = 0; c < cn8; c += 4) dot4x2(h0.q, h1.q, kp + c, D, h0.s + c, h1.s + c);
   softmax_chunk(h0, cn0, Dv);
   softmax_chunk(h1, cn1, Dv);
   const int64_t both = std::min(cn0, cn1), dv32 = Dv / 32 * 32;
@@ -344,15 +341,6 @@ inline void softmax_pv2(const HeadState& h0, const HeadState& h1, const float* c
     pv_range(h->acc, h->s, vp, both, cn, 0, dv32, Dv);
     pv_range(h->acc, h->s, vp, 0, cn, dv32, Dv, Dv);
   }
-}
-
-// attend_chunk for two query heads over the same key rows (their first cn0 / cn1 keys), bitwise
-// what attend_chunk gives each: the K and V vectors are loaded once for both.
-inline void attend_chunk2(const HeadState& h0, const HeadState& h1, const float* const* kp, const float* const* vp,
-                          int64_t cn0, int64_t cn1, int64_t D, int64_t Dv) {
-  const int64_t cn8 = round8(std::max(cn0, cn1));
-  for (int64_t c = 0; c < cn8; c += 4) dot4x2(h0.q, h1.q, kp + c, D, h0.s + c, h1.s + c);
-  softmax_pv2(h0, h1, vp, cn0, cn1, Dv);
 }
 
 }  // namespace attn

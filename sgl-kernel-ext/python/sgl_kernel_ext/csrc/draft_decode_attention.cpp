@@ -28,13 +28,14 @@
 //               kind 3 kivi: [k, k_scale, k_zero, v, v_scale, v_zero] codes [NC, T, Hkv, D*bits/8]
 //                 uint8, key scale/zero [NC, T/Gk, Hkv, D], value scale/zero [NC, T, Hkv, D/Gv] f16
 //               kind 4 kvquant: [k_codes, k_scale, k_zero, k_levels, k_out_val, k_out_idx, v_codes, v_scale,
-//                 v_zero, v_levels, v_out_val, v_out_idx, pos, cos, sin]: codes [NC, T, Hkv, D*bits/8] uint8
-//                 (bits 2-4, 8 codes per `bits` bytes), key scale/zero [NC, Hkv, D], value scale/zero
+//                 v_zero, v_levels, v_out_val, v_out_idx, pos, cos, sin, cos_t, sin_t]: codes [NC, T, Hkv,
+//                 D*bits/8] uint8 (bits 2-4, 8 codes per `bits` bytes), key scale/zero [NC, Hkv, D], value scale/zero
 //                 [NC, T, Hkv] f16, levels [NC, L] f16, outliers [NC, N_o] (exact dtype; int16 / int32
 //                 ascending flat indices into [T, Hkv, D]), pos [NC, T] or [NC, T, Hkv] int32, cos/sin
 //                 [P, D] float32 (the compressor's RoPE table), or [P, D/2] where a channel pair's two
-//                 halves share one angle (the table's first half): k = RoPE(level * scale + zero, outliers)
-//               kind 5 rotatekv: [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pos, cos, sin]: codes
+//                 halves share one angle (the table's first half); cos_t/sin_t that half pair-major [D/2, Pt >= P]
+//                 where it is one (else empty: the key-score paths need it): k = RoPE(level * scale + zero, outliers)
+//               kind 5 rotatekv: [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pos, cos, sin, cos_t, sin_t]: codes
 //                 [NC, T, Hkv, D*bits/8] (bits 2/4), scale/zero [NC, T, Hkv, D/Gr] f16 per group of Gr
 //                 rotated channels; params = [key_heads, block]: keys are Hadamard-transformed over the
 //                 D channels of key_heads consecutive heads (block == D) or per head in blocks of
@@ -334,10 +335,10 @@ struct Rotated {
   int64_t rope_hc = 0;  // where the upper half's angles are in a row: D / 2 for a [P, D] table, 0 for [P, D / 2]
   int64_t P = 0;
   int64_t group = 0, key_heads = 1, block = 0;  // rotatekv
-  // kvquant_key_scores (key_scores_apply): RoPE angles of offsets j < T from a chunk's first position,
-  // [D / 2, T] (pair-major), built once per call; null where the path does not apply.
-  const float *rel_cos = nullptr, *rel_sin = nullptr;
-  bool one_angle = false;  // each channel pair's two halves of the table hold one angle (a rotation)
+  // kvquant_key_scores / rotatekv_key_scores: the table pair-major, cos_t / sin_t [D / 2, Pt >= P] (pair i at
+  // position p: cos_t[i * Pt + p]), where each channel pair's two halves hold one angle; null otherwise.
+  const float *cos_t = nullptr, *sin_t = nullptr;
+  int64_t Pt = 0;
 };
 
 struct Compressed {
@@ -371,15 +372,17 @@ struct Scratch {
   std::vector<float> kpre;  // kvquant_rows: a segment's key rows before RoPE [CHUNK, D]
   int64_t kvq_cursor[2] = {0, 0};  // kvquant_rows: how far the chunk's K / V outlier lists were read
   std::vector<int32_t> own;  // head_outliers: one head's outliers of a chunk
-  // kvquant_key_scores: a chunk's per-channel level tables [D, 16], its key outliers channel-major [D, T]
-  // with their bits (16-bit words [D, T / 16]), the queries rotated back to its first position [G, D], and
-  // the window's scores [G, CHUNK]
+  // kvquant_key_scores: a chunk's levels (repeated to 16), its key outliers channel-major [D, T] with their bits
+  // (16-bit words [D, T / 16]); rotatekv_key_scores: the queries times the Hadamard scaling [nh G, D]; both: the
+  // scores of up to CHUNK rows [nh G, CHUNK]
   std::vector<float> ktab, kpat_t, qrot, sg;
   std::vector<uint16_t> kmask_t;
   // value_sums: per query head the sum of p * scale * level in the codes' lane order [G, D] and of p * zero [G];
   // the chunk's value scales / zeros of the head [T] (vtmp: every head's, converted); its value outliers as
   // (row, channel, exact - dequantized) lists; the window's p * scale [G, CHUNK]
-  std::vector<float> accq, zsum, vsc, vzr, vtmp, vo_x, pp, m0;
+  std::vector<float> accq, zsum, vsc, vzr, vtmp, vo_x, pp;
+  std::vector<float> ksc, kzr, xbuf;  // rotatekv_key_scores: the keys' scales / zeros [heads * groups, T]; a block's
+                                      // dequantized channels [nh * D, 16]
   std::vector<int32_t> vo_j, vo_d;
   int64_t vo_n = 0;
   Scratch(const Shape& sh, int64_t rows)
@@ -387,9 +390,11 @@ struct Scratch {
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
         v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
-        kpre(rows ? CHUNK * sh.D : 0), ktab(rows ? 16 * sh.D : 0), kpat_t(rows * sh.D), qrot(rows ? sh.G * sh.D : 0),
-        sg(rows ? sh.G * CHUNK : 0), kmask_t(rows * sh.D / 16 + 1), accq(rows ? sh.G * sh.D : 0), zsum(sh.G),
-        vsc(rows + 16), vzr(rows + 16), vtmp(rows * sh.Hkv + 16), pp(rows ? sh.G * CHUNK : 0), m0(sh.H) {
+        kpre(rows ? CHUNK * sh.D : 0), ktab(rows ? 16 : 0), kpat_t(rows * sh.D), qrot(rows ? sh.H * sh.D : 0),
+        sg(rows ? sh.H * CHUNK : 0), kmask_t(rows * sh.D / 16 + 1), accq(rows ? sh.H * sh.D : 0),
+        zsum(sh.H * (sh.D / 16 + 1)), vsc(rows * sh.Hkv * (sh.D / 16 + 1) + 16), vzr(vsc.size()),
+        vtmp(rows * sh.Hkv * (sh.D / 16 + 1) + 16), pp(rows ? sh.H * (sh.D / 16 + 1) * CHUNK : 0), ksc(vsc.size()),
+        kzr(vsc.size()), xbuf(rows ? 16 * sh.Hkv * sh.D : 0) {
     if (sh.Hkv & (sh.Hkv - 1)) {  // kvq_this_head splits a power-of-two count by shifts
       rh_row.resize(rows * sh.Hkv), rh_head.resize(rows * sh.Hkv);
       for (int64_t i = 0; i < rows * sh.Hkv; ++i)
@@ -975,22 +980,28 @@ void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0,
   else kvquant_rows<4, TO>(cp, sh, id, j0, j1, hk, kd, vd, st);
 }
 
-// ---- kvquant_key_scores: kvquant keys scored 16 to a vector, no key row built.
-// A chunk's keys are codes of pre-RoPE values with one scale / zero per channel, so channel ch of 16 keys is
-// one permute of a 16-entry table (level * scale + zero of each code, as decompress computes it) indexed by
-// their codes; RoPE at position p0 + j is RoPE at p0 composed with RoPE at j (angles add), so the score of key j
-// is (the query rotated back by p0) . RoPE_j(key), and RoPE_j's angles for 16 consecutive j are one load from a
-// pair-major table of offsets j < T (Rotated::rel_cos / rel_sin). The scores are then 2 fused multiply-adds a
-// channel pair and query head per 16 keys, with no horizontal sums. Scores differ from the row path's (dot8 over
-// RoPE'd rows) by rounding only; the value rows are kvquant_rows_fused's. Where it applies (key_scores_apply):
-// AVX-512, float32 rows (TO == F32: what the model passes), head dims 64 / 128, chunks of a multiple of 16 rows
-// with one position per row, consecutive, and a RoPE table whose channel pairs share their angles (one_angle).
+// ---- kvquant_key_scores: kvquant keys scored 16 to a vector (lanes are keys), no row built.
+// A chunk's keys are codes of pre-RoPE values with one scale / zero per channel: channel ch of 16 keys is one
+// permute of the chunk's 16 levels by their codes and one fused multiply-add by the channel's scale and zero. The
+// chunk's positions are consecutive, so RoPE's angles of a channel pair for 16 keys are one load from the table
+// held pair-major (Rotated::cos_t / sin_t: the same angles the row path reads). The scores are then 2 fused
+// multiply-adds a channel pair and query head per 16 keys, with no horizontal sums, and the values are summed from
+// their codes (value_sums). The same dequantized values as decompress (to the rounding of a fused multiply-add), the
+// scores and sums rounded in another order: the attention as the row path's to float32 rounding, not bitwise.
+// Where it applies (key_scores_apply): AVX-512, float32 rows (TO == F32: what the model passes), head dims 64 /
+// 128, chunks of a multiple of 16 rows at consecutive positions (one per row), a RoPE table whose channel pairs
+// share their angles.
 
-// Whether a call can take the key-score path (a request also needs consecutive positions: key_scores_request).
+// Whether a call can take the key-score path (a request also needs consecutive positions: key_scores_request):
+// kvquant, or rotatekv (rotatekv_key_scores) with one Hadamard transform a head's D channels or two heads',
+// scale groups of whole 32-channel blocks and 1, 2 or 4 query heads a KV head.
 inline bool key_scores_apply(const Compressed& cp, const Shape& sh) {
   const Rotated& rt = cp.rt;
-  return cp.kind == KVQUANT && cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D &&
-         cp.rows % 16 == 0 && !rt.pos_per_head && rt.one_angle && rt.P >= cp.rows;
+  const bool common = cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D && cp.rows % 16 == 0 &&
+                      !rt.pos_per_head && rt.cos_t != nullptr;
+  if (cp.kind == KVQUANT) return common;
+  return common && cp.kind == ROTATEKV && rt.block == sh.D && rt.key_heads * sh.D <= 128 && rt.group % 32 == 0 &&
+         (sh.G == 1 || sh.G == 2 || sh.G == 4);
 }
 
 // Whether every chunk of request b holds positions p0, p0 + 1, ..., p0 + T - 1.
@@ -1004,19 +1015,14 @@ inline bool key_scores_request(const Compressed& cp, int64_t b) {
   return true;
 }
 
-// What chunk id's keys of KV head hk need before its rows are scored: the tables, the outliers channel-major and
-// the G scaled queries qf [G, D] rotated back by the chunk's first position.
+// What chunk id's keys of KV head hk need before its rows are scored: its levels (repeated to 16) and its key
+// outliers channel-major.
 template <int DC>
-void key_scores_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, const float* qf, Scratch& st) {
-  constexpr int H = DC / 2, shift = __builtin_ctz(DC);
+void key_scores_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, Scratch& st) {
+  constexpr int shift = __builtin_ctz(DC);
   const Rotated& rt = cp.rt;
   const int64_t T = cp.rows, L = rt.num_levels;
-  float lv[16];
-  for (int e = 0; e < 16; ++e) lv[e] = st.klv[e & (L - 1)];  // codes' bits past the level count: ignored
-  const __m512 lv16 = _mm512_loadu_ps(lv);
-  for (int ch = 0; ch < DC; ++ch)
-    _mm512_storeu_ps(st.ktab.data() + 16 * ch,
-                     _mm512_add_ps(_mm512_mul_ps(lv16, _mm512_set1_ps(st.ks[ch])), _mm512_set1_ps(st.kz[ch])));
+  for (int e = 0; e < 16; ++e) st.ktab[e] = st.klv[e & (L - 1)];  // codes' bits past the level count: ignored
   uint16_t* mask = st.kmask_t.data();
   std::memset(mask, 0, DC * T / 16 * sizeof(uint16_t));
   if (static_cast<int64_t>(st.own.size()) < rt.n_out + 16) st.own.resize(rt.n_out + 16);
@@ -1032,19 +1038,6 @@ void key_scores_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t
     n += __builtin_popcount(on);
   });
   for (int64_t i = 0; i < n; ++i) mask[own[i] >> 4] |= uint16_t(1u << (own[i] & 15));
-  const int64_t p0 = rt.pos[id * T];
-  const float* c = rt.cos + p0 * rt.rope_width;
-  const float* s = rt.sin + p0 * rt.rope_width;
-  for (int64_t g = 0; g < sh.G; ++g) {
-    const float* q = qf + g * DC;
-    float* r = st.qrot.data() + g * DC;
-    for (int i = 0; i < H; i += 16) {  // RoPE at -p0: (a, b) -> (a cos + b sin, b cos - a sin)
-      const __m512 a = _mm512_loadu_ps(q + i), bb = _mm512_loadu_ps(q + i + H);
-      const __m512 ci = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
-      _mm512_storeu_ps(r + i, _mm512_fmadd_ps(a, ci, _mm512_mul_ps(bb, si)));
-      _mm512_storeu_ps(r + i + H, _mm512_fmsub_ps(bb, ci, _mm512_mul_ps(a, si)));
-    }
-  }
 }
 
 // Codes of 8 consecutive channels (group m) of 16 rows, one 32-bit lane per row (lane l: the row at kc + l * rs),
@@ -1059,25 +1052,27 @@ constexpr int group_shift(int m) {
   return 8 * (BITS * m - group_at<BITS, NB>(m));
 }
 
-// Scores of rows [j0, j1) of chunk id (multiples of 16), KV head hk, for query heads [g0, g0 + NG) into
-// st.sg[g * CHUNK + off + j - j0]; key_scores_chunk has prepared the chunk.
+// Scores of rows [j0, j1) of chunk id (multiples of 16), KV head hk, for query heads [g0, g0 + NG) (scaled
+// queries st.qf) into st.sg[g * CHUNK + j - j0]; key_scores_chunk has prepared the chunk.
 template <int BITS, int DC, int NG>
 void key_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
-                     int64_t g0, int64_t off, Scratch& st) {
+                     int64_t g0, Scratch& st) {
   constexpr int H = DC / 2, NB = DC * BITS / 8, NA = NG >= 4 ? 2 : 4;
   const Rotated& rt = cp.rt;
   const int64_t T = cp.rows, rs = sh.Hkv * NB, TW = T / 16;
   const uint8_t* kc0 = static_cast<const uint8_t*>(cp.k) + (id * T * sh.Hkv + hk) * NB;
   const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int32_t>(rs)));
-  const float* tab = st.ktab.data();
+  const __m512 lv16 = _mm512_loadu_ps(st.ktab.data());  // the chunk's levels (16, repeated)
+  const float *ks = st.ks.data(), *kz = st.kz.data();  // per channel
   const float* pat = st.kpat_t.data();
   const __mmask16* mask = reinterpret_cast<const __mmask16*>(st.kmask_t.data());
-  const float* qr = st.qrot.data() + g0 * DC;
+  const float* qr = st.qf.data() + g0 * DC;
+  const int64_t p0 = rt.pos[id * T];  // the chunk's positions: p0, p0 + 1, ...
   for (int64_t j = j0; j < j1; j += 16) {
     const uint8_t* kc = kc0 + j * rs;
-    const float* rc = rt.rel_cos + j;
-    const float* rsn = rt.rel_sin + j;
+    const float* rc = rt.cos_t + p0 + j;
+    const float* rsn = rt.sin_t + p0 + j;
     __m512 acc[NG][NA];
     for (int g = 0; g < NG; ++g)
       for (int a = 0; a < NA; ++a) acc[g][a] = _mm512_setzero_ps();
@@ -1088,14 +1083,15 @@ void key_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const int i = 8 * m + t;
-        __m512 a = _mm512_permutexvar_ps(_mm512_srli_epi32(ga, group_shift<BITS, NB>(m) + BITS * t),
-                                         _mm512_loadu_ps(tab + 16 * i));
-        __m512 b = _mm512_permutexvar_ps(_mm512_srli_epi32(gb, group_shift<BITS, NB>(m + H / 8) + BITS * t),
-                                         _mm512_loadu_ps(tab + 16 * (i + H)));
+        __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(ga, group_shift<BITS, NB>(m) + BITS * t), lv16),
+                                   _mm512_set1_ps(ks[i]), _mm512_set1_ps(kz[i]));
+        __m512 b = _mm512_fmadd_ps(
+            _mm512_permutexvar_ps(_mm512_srli_epi32(gb, group_shift<BITS, NB>(m + H / 8) + BITS * t), lv16),
+            _mm512_set1_ps(ks[i + H]), _mm512_set1_ps(kz[i + H]));
         a = _mm512_mask_loadu_ps(a, _load_mask16(const_cast<__mmask16*>(mask + i * TW + j / 16)), pat + i * T + j);
         b = _mm512_mask_loadu_ps(b, _load_mask16(const_cast<__mmask16*>(mask + (i + H) * TW + j / 16)),
                                  pat + (i + H) * T + j);
-        const __m512 c = _mm512_loadu_ps(rc + i * T), sn = _mm512_loadu_ps(rsn + i * T);
+        const __m512 c = _mm512_loadu_ps(rc + i * rt.Pt), sn = _mm512_loadu_ps(rsn + i * rt.Pt);
         const __m512 lo = _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn));
         const __m512 hi = _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn));
         for (int g = 0; g < NG; ++g) {
@@ -1108,7 +1104,7 @@ void key_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
     for (int g = 0; g < NG; ++g) {
       __m512 z = NA == 4 ? _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3]))
                          : _mm512_add_ps(acc[g][0], acc[g][1]);
-      _mm512_storeu_ps(st.sg.data() + (g0 + g) * CHUNK + off + (j - j0), z);
+      _mm512_storeu_ps(st.sg.data() + (g0 + g) * CHUNK + (j - j0), z);
     }
   }
 }
@@ -1186,12 +1182,12 @@ void value_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, 
   st.vo_n = m;
 }
 
-// Rows [j0, j1) of chunk id, KV head hk, at window offset off, for query heads [0, G) with probabilities
-// st.sg[g * CHUNK + off + ...]: st.accq += (p * scale) level[code] per lane, st.zsum += p * zero, and the outliers'
-// p (exact - dequantized) into acc (channel order).
+// Rows [j0, j1) of chunk id, KV head hk, for query heads [g0, g0 + NG) with probabilities st.sg[g * CHUNK + j - j0]:
+// st.accq += (p * scale) level[code] per lane, st.zsum += p * zero, and the outliers' p (exact - dequantized) into
+// acc (channel order).
 template <int BITS, int DC, int NG>
 void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
-                      int64_t g0, int64_t off, float* acc, Scratch& st) {
+                      int64_t g0, float* acc, Scratch& st) {
   constexpr int NV = DC / 16, NB = DC * BITS / 8;
   const int64_t T = cp.rows, rs = sh.Hkv * NB, n = j1 - j0;
   float lv[16];
@@ -1199,7 +1195,7 @@ void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t
   const __m512 lv16 = _mm512_loadu_ps(lv);
   float* pp = st.pp.data();
   for (int g = 0; g < NG; ++g) {  // p * scale, and the zeros' sum
-    const float* p = st.sg.data() + (g0 + g) * CHUNK + off;
+    const float* p = st.sg.data() + (g0 + g) * CHUNK;
     __m512 z = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c += 16) {
       const __m512 pc = _mm512_loadu_ps(p + c);
@@ -1228,43 +1224,43 @@ void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t
     if (j < j0 || j >= j1) continue;
     for (int g = 0; g < NG; ++g) {
       float& o = acc[(g0 + g) * DC + st.vo_d[e]];
-      o = std::fma(st.sg[(g0 + g) * CHUNK + off + j - j0], st.vo_x[e], o);
+      o = std::fma(st.sg[(g0 + g) * CHUNK + j - j0], st.vo_x[e], o);
     }
   }
 }
 
 template <int BITS, int DC>
-void value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, int64_t off,
-                float* acc, Scratch& st) {
+void value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk, float* acc,
+                Scratch& st) {
   for (int64_t g = 0; g < sh.G;) {
-    if (sh.G - g >= 4) value_sums_heads<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 4;
-    else if (sh.G - g >= 2) value_sums_heads<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 2;
-    else value_sums_heads<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, off, acc, st), g += 1;
+    if (sh.G - g >= 4) value_sums_heads<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, acc, st), g += 4;
+    else if (sh.G - g >= 2) value_sums_heads<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, acc, st), g += 2;
+    else value_sums_heads<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, acc, st), g += 1;
   }
 }
 
 // key_scores_rows for every query head of the KV head: 4, 2 or 1 at a time.
 template <int BITS, int DC>
 void key_scores_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
-                      int64_t off, Scratch& st) {
+                      Scratch& st) {
   for (int64_t g = 0; g < sh.G;) {
-    if (sh.G - g >= 4) key_scores_rows<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, off, st), g += 4;
-    else if (sh.G - g >= 2) key_scores_rows<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, off, st), g += 2;
-    else key_scores_rows<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, off, st), g += 1;
+    if (sh.G - g >= 4) key_scores_rows<BITS, DC, 4>(cp, sh, id, j0, j1, hk, g, st), g += 4;
+    else if (sh.G - g >= 2) key_scores_rows<BITS, DC, 2>(cp, sh, id, j0, j1, hk, g, st), g += 2;
+    else key_scores_rows<BITS, DC, 1>(cp, sh, id, j0, j1, hk, g, st), g += 1;
   }
 }
 
-// Rows [j0, j1) of chunk id, KV head hk: every query head's scores to st.sg at off + j - j0 (and, at a chunk's
-// first rows, what its keys and values need). qf: the G scaled queries of the KV head.
+// Rows [j0, j1) of chunk id, KV head hk: every query head's scores to st.sg at j - j0 (and, at a chunk's first
+// rows, what its keys and values need).
 template <int BITS, int DC>
 void key_scores(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
-                const float* qf, int64_t off, Scratch& st) {
+                Scratch& st) {
   if (j0 == 0) {
     kvquant_chunk_ranges(cp, sh, id, hk, st);
-    key_scores_chunk<DC>(cp, sh, id, hk, qf, st);
+    key_scores_chunk<DC>(cp, sh, id, hk, st);
     value_chunk<BITS, DC>(cp, sh, id, hk, st);
   }
-  key_scores_heads<BITS, DC>(cp, sh, id, j0, j1, hk, off, st);
+  key_scores_heads<BITS, DC>(cp, sh, id, j0, j1, hk, st);
 }
 
 // Calls f(bits, head dim) as compile-time constants (the key-score path's instances).
@@ -1281,24 +1277,25 @@ inline void with_kvquant_shape(const Compressed& cp, const Shape& sh, F&& f) {
 
 // The sums value_sums keeps beside acc follow the online softmax: rescaled as softmax_chunk rescales acc
 // (alpha = exp(old max - new max), the same expression: the same value).
-inline void fold_rescale(Scratch& st, int64_t g, float m_before, int64_t D) {
+// nz: the zeros' sums a query head keeps (kvquant 1, rotatekv one a scale group).
+inline void fold_rescale(Scratch& st, int64_t g, float m_before, int64_t D, int64_t nz) {
   if (m_before == st.m[g]) return;
   const float alpha = std::exp(m_before - st.m[g]);
   for (int64_t d = 0; d < D; ++d) st.accq[g * D + d] *= alpha;
-  st.zsum[g] *= alpha;
+  for (int64_t z = 0; z < nz; ++z) st.zsum[g * nz + z] *= alpha;
 }
 
 // Rows [j, j + cn) of chunk id (within the chunk) on the key-score path, one softmax chunk: scores, the online
 // softmax of the G query heads (st.m / st.l / st.acc, and st.accq / st.zsum), the values' sums.
 template <int BITS, int DC>
 void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk, Scratch& st) {
-  key_scores<BITS, DC>(cp, sh, id, j, j + cn, hk, st.qf.data(), 0, st);
+  key_scores<BITS, DC>(cp, sh, id, j, j + cn, hk, st);
   for (int64_t g = 0; g < sh.G; ++g) {
     const float m0 = st.m[g];
     softmax_chunk(HeadState{nullptr, st.sg.data() + g * CHUNK, &st.m[g], &st.l[g], st.acc.data() + g * DC}, cn, DC);
-    fold_rescale(st, g, m0, DC);
+    fold_rescale(st, g, m0, DC, 1);
   }
-  value_sums<BITS, DC>(cp, sh, id, j, j + cn, hk, 0, st.acc.data(), st);
+  value_sums<BITS, DC>(cp, sh, id, j, j + cn, hk, st.acc.data(), st);
 }
 
 inline void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk,
@@ -1308,11 +1305,209 @@ inline void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64
   });
 }
 
+
+// ---- rotatekv_key_scores: rotatekv keys scored 16 to a vector. A key is RoPE(H x) with x = code * scale + zero in
+// the rotated basis (per token and group of channels) and H the Walsh-Hadamard transform over the N = key_heads * D
+// channels of the item's KV heads. Lanes are keys, so H is butterflies between vectors (no shuffle): strides 1-8
+// over 16 channels at a time in registers (stored to st.xbuf), strides 16 and up over the channels c, c + 16, ...
+// (read back), then RoPE at offset j (RoPE at p0 on the query, as kvquant_key_scores) and 2 fused multiply-adds a
+// channel pair and query head. H's scaling is on the query. Values stay in the rotated basis (as the row path with
+// float32 rows): sum p (code * scale + zero) = sum (p scale) code + sum p zero per scale group, transformed back once.
+
+// The chunk's scales / zeros of the item's nh KV heads from hk0 ([T, Hkv, ng] float16) as float32 [nh * ng, T].
+inline void rkv_scales(const uint16_t* src16, int64_t T, int64_t Hkv, int64_t ng, int64_t hk0, int64_t nh,
+                       float* dst, Scratch& st) {
+  const int64_t n = T * Hkv * ng;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(st.vtmp.data() + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src16 + i))));
+  for (; i < n; ++i) st.vtmp[i] = half_to_float(src16[i]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i stride = _mm512_set1_epi32(static_cast<int32_t>(Hkv * ng));
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t j = 0; j < T; j += 16) {
+        const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j))), stride),
+                                            _mm512_set1_epi32(static_cast<int32_t>((hk0 + hh) * ng + g)));
+        _mm512_storeu_ps(dst + (hh * ng + g) * T + j, _mm512_i32gather_ps(at, st.vtmp.data(), 4));
+      }
+}
+
+// Chunk id's keys and values of the nh KV heads from hk0, before its rows: scales / zeros, and the QH = nh G scaled
+// queries (st.qf) rotated back by the chunk's first position and times H's scaling.
+template <int DC>
+void rkv_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk0, int64_t nh, Scratch& st) {
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, ng = DC / rt.group, blk = T * sh.Hkv * ng;
+  rkv_scales(cp.k_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.ksc.data(), st);
+  rkv_scales(cp.k_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.kzr.data(), st);
+  rkv_scales(cp.v_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.vsc.data(), st);
+  rkv_scales(cp.v_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.vzr.data(), st);
+  const __m512 f = _mm512_set1_ps(fwht_scale(nh * DC));
+  for (int64_t qi = 0; qi < nh * sh.G; ++qi)
+    for (int i = 0; i < DC; i += 16)
+      _mm512_storeu_ps(st.qrot.data() + qi * DC + i, _mm512_mul_ps(_mm512_loadu_ps(st.qf.data() + qi * DC + i), f));
+}
+
+// The float value of each lane's code (its low 4 bits; 2-bit codes come masked): one permute of 0..15.
+inline __m512 code_floats(__m512i q) {
+  return _mm512_permutexvar_ps(q, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// Scores of rows [j0, j1) of chunk id (multiples of 16) for the NHK * G query heads into st.sg[qi * CHUNK + j - j0].
+template <int BITS, int DC, int NHK, int G>
+void rkv_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk0,
+                     Scratch& st) {
+  constexpr int N = NHK * DC, NU = N / 16, NB = DC * BITS / 8, QH = NHK * G, NA = QH <= 4 ? 2 : 1;
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, ng = DC / rt.group;
+  const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rs)));
+  const __m512i m2 = _mm512_set1_epi32(3);
+  float* X = st.xbuf.data();
+  const float* qr = st.qrot.data();
+  const int64_t p0 = rt.pos[id * T];  // the chunk's positions: p0, p0 + 1, ...
+  for (int64_t j = j0; j < j1; j += 16) {
+    const uint8_t* kc = static_cast<const uint8_t*>(cp.k) + ((id * T + j) * sh.Hkv + hk0) * NB;
+    // strides 1-8: 16 channels [16u, 16u + 16) at a time
+#pragma GCC unroll 1
+    for (int u = 0; u < NU; ++u) {
+      const int hh = 16 * u / DC, d0 = 16 * u % DC;
+      const int64_t gi = (hh * ng + d0 / rt.group) * T + j;
+      const __m512 sc = _mm512_loadu_ps(st.ksc.data() + gi), zr = _mm512_loadu_ps(st.kzr.data() + gi);
+      const uint8_t* at = kc + hh * NB + d0 * BITS / 8;
+      __m512 x[16];
+      if constexpr (BITS == 4) {
+        const __m512i w0 = _mm512_i32gather_epi32(vidx, at, 1), w1 = _mm512_i32gather_epi32(vidx, at + 4, 1);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t)
+          x[t] = _mm512_fmadd_ps(code_floats(_mm512_srli_epi32(t < 8 ? w0 : w1, 4 * (t % 8))), sc, zr);
+      } else {
+        const __m512i w = _mm512_i32gather_epi32(vidx, at, 1);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t)
+          x[t] = _mm512_fmadd_ps(code_floats(_mm512_and_si512(_mm512_srli_epi32(w, 2 * t), m2)), sc, zr);
+      }
+      fwht_strides<__m512, 16>(x);
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) _mm512_storeu_ps(X + (16 * u + t) * 16, x[t]);
+    }
+    // strides 16 and up over c, c + 16, ...; RoPE and the scores
+    __m512 acc[QH][NA];
+    for (int qi = 0; qi < QH; ++qi)
+      for (int a = 0; a < NA; ++a) acc[qi][a] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int c = 0; c < 16; ++c) {
+      __m512 y[NU];
+#pragma GCC unroll 16
+      for (int k = 0; k < NU; ++k) y[k] = _mm512_loadu_ps(X + (c + 16 * k) * 16);
+      fwht_strides<__m512, NU>(y);
+#pragma GCC unroll 16
+      for (int k = 0; k < NU; ++k) {
+        const int ch = 16 * k + c, hh = ch / DC, i = ch % DC;
+        if (i >= DC / 2) continue;
+        const __m512 a = y[k], b = y[k + DC / 32];
+        const __m512 cs = _mm512_loadu_ps(rt.cos_t + i * rt.Pt + p0 + j), sn = _mm512_loadu_ps(rt.sin_t + i * rt.Pt + p0 + j);
+        const __m512 lo = _mm512_fmsub_ps(a, cs, _mm512_mul_ps(b, sn));
+        const __m512 hi = _mm512_fmadd_ps(b, cs, _mm512_mul_ps(a, sn));
+        for (int g = 0; g < G; ++g) {
+          const int qi = hh * G + g;
+          __m512& z = acc[qi][c % NA];
+          z = _mm512_fmadd_ps(_mm512_set1_ps(qr[qi * DC + i]), lo, z);
+          z = _mm512_fmadd_ps(_mm512_set1_ps(qr[qi * DC + i + DC / 2]), hi, z);
+        }
+      }
+    }
+    for (int qi = 0; qi < QH; ++qi)
+      _mm512_storeu_ps(st.sg.data() + qi * CHUNK + (j - j0), NA == 2 ? _mm512_add_ps(acc[qi][0], acc[qi][1]) : acc[qi][0]);
+  }
+}
+
+// Rows [j0, j1) of chunk id: st.accq[qi] += (p scale) (code - c0) per lane (code_lane order) and
+// st.zsum[qi * ng + g] += p (zero + c0 scale), with the probabilities in st.sg. c0 = (2^bits - 1) / 2, the middle
+// code: both sums are then of a value's size (zero is the group's minimum: p zero and p scale code would be
+// large and cancel, losing bits).
+template <int BITS, int DC, int NHK, int G>
+void rkv_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk0,
+                    Scratch& st) {
+  constexpr int NV = DC / 16, NB = DC * BITS / 8;
+  const Rotated& rt = cp.rt;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, ng = DC / rt.group, n = j1 - j0;
+  constexpr float c0 = ((1 << BITS) - 1) / 2.f;
+  const __m512 centered = _mm512_sub_ps(code_floats(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                        _mm512_set1_ps(c0));  // code - c0 by code
+  float* pp = st.pp.data();  // [qi][g][c]
+  for (int qi = 0; qi < NHK * G; ++qi) {
+    const int hh = qi / G;
+    const float* p = st.sg.data() + qi * CHUNK;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* sc = st.vsc.data() + (hh * ng + g) * T + j0;
+      const float* zr = st.vzr.data() + (hh * ng + g) * T + j0;
+      __m512 z = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n; c += 16) {
+        const __m512 pc = _mm512_loadu_ps(p + c), s16 = _mm512_loadu_ps(sc + c);
+        _mm512_storeu_ps(pp + (qi * ng + g) * CHUNK + c, _mm512_mul_ps(pc, s16));
+        z = _mm512_fmadd_ps(pc, _mm512_fmadd_ps(_mm512_set1_ps(c0), s16, _mm512_loadu_ps(zr + c)), z);
+      }
+      st.zsum[qi * ng + g] += _mm512_reduce_add_ps(z);
+    }
+  }
+  for (int hh = 0; hh < NHK; ++hh) {
+    __m512 a[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(st.accq.data() + (hh * G + g) * DC + 16 * i);
+    const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + ((id * T + j0) * sh.Hkv + hk0 + hh) * NB;
+    for (int64_t c = 0; c < n; ++c, vc += rs) {
+      __m512i q[NV];
+      value_codes<BITS, DC>(vc, q);
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) {
+        const __m512 l = _mm512_permutexvar_ps(q[i], centered);
+        const int64_t grp = (BITS == 4 ? 32 * (i / 2) : 16 * i) / rt.group;  // the lanes' scale group
+        for (int g = 0; g < G; ++g)
+          a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(pp[((hh * G + g) * ng + grp) * CHUNK + c]), l, a[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(st.accq.data() + (hh * G + g) * DC + 16 * i, a[g][i]);
+  }
+}
+
+template <int BITS, int DC, int NHK, int G>
+void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk0,
+                     Scratch& st) {
+  if (j == 0) rkv_chunk<DC>(cp, sh, id, hk0, NHK, st);
+  rkv_scores_rows<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, st);
+  const int64_t ng = DC / cp.rt.group;
+  for (int64_t qi = 0; qi < NHK * G; ++qi) {
+    const float m0 = st.m[qi];
+    softmax_chunk(HeadState{nullptr, st.sg.data() + qi * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * DC}, cn, DC);
+    fold_rescale(st, qi, m0, DC, ng);
+  }
+  rkv_value_sums<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, st);
+}
+
+inline void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk0,
+                            Scratch& st) {
+  auto by_heads = [&](auto bits, auto dim, auto nhk) {
+    constexpr int B = decltype(bits)::value, DC = decltype(dim)::value, NHK = decltype(nhk)::value;
+    if (sh.G == 1) rkv_scored_rows<B, DC, NHK, 1>(cp, sh, id, j, cn, hk0, st);
+    else if (sh.G == 2) rkv_scored_rows<B, DC, NHK, 2>(cp, sh, id, j, cn, hk0, st);
+    else rkv_scored_rows<B, DC, NHK, 4>(cp, sh, id, j, cn, hk0, st);
+  };
+  auto by_dim = [&](auto bits) {
+    if (sh.D == 128) by_heads(bits, std::integral_constant<int, 128>{}, std::integral_constant<int, 1>{});
+    else if (cp.rt.key_heads == 2) by_heads(bits, std::integral_constant<int, 64>{}, std::integral_constant<int, 2>{});
+    else by_heads(bits, std::integral_constant<int, 64>{}, std::integral_constant<int, 1>{});
+  };
+  if (cp.bits == 2) by_dim(std::integral_constant<int, 2>{});
+  else by_dim(std::integral_constant<int, 4>{});
+}
 #else
 inline bool key_scores_apply(const Compressed&, const Shape&) { return false; }
 inline bool key_scores_request(const Compressed&, int64_t) { return false; }
-inline void fold_rescale(Scratch&, int64_t, float, int64_t) {}
 inline void scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
+inline void rkv_scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
 inline bool kvquant_segments(const Compressed&, const Shape&) { return false; }
 template <Elem TO>
 void kvquant_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, float*, float*, Scratch&) {}
@@ -1470,13 +1665,13 @@ __attribute__((always_inline)) inline void prefetch_row(const Compressed& cp, co
 }
 
 // prefetch_row for every row of chunk id (key_scores' windows: once a chunk, not a call a row).
-inline void prefetch_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk) {
-  prefetch_row(cp, sh, id, 0, hk, 1);
+inline void prefetch_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk0, int64_t nh) {
+  prefetch_row(cp, sh, id, 0, hk0, nh);
   const int64_t kb = cp.row_bytes[0], vb = cp.row_bytes[1];
   for (int64_t j = 1; j < cp.rows; ++j) {
-    const int64_t row = (id * cp.rows + j) * sh.Hkv + hk;
-    prefetch_bytes(cp.k, row * kb, kb);
-    prefetch_bytes(cp.v, row * vb, vb);
+    const int64_t row = (id * cp.rows + j) * sh.Hkv + hk0;
+    prefetch_bytes(cp.k, row * kb, nh * kb);
+    prefetch_bytes(cp.v, row * vb, nh * vb);
   }
 }
 
@@ -1551,8 +1746,35 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
 // 64-key chunks stop there) instead of to every row; the tail and draft rows come after, in their own
 // basis. The result equals attention over decompress()'s rows to float32 rounding (not bitwise: the sum is
 // rounded in the other basis); a single key is still its row bitwise (its weight is exactly 1).
+// The compressed rows of request b on the key-score path (a function of its own: inlined into attend_item's row
+// loop it slowed the other kinds' by ~10%): a chunk's rows CHUNK at most at a time, the values' sums into acc at
+// the end (rotatekv: and back from its basis).
+__attribute__((noinline)) void scored_item(const Compressed& cp, const Shape& sh, int64_t b, int64_t hk0, int64_t nh,
+                                           Scratch& st) {
+  const int64_t* ids = cp.ids + b * cp.width;
+  const int64_t lens = cp.lens[b], QH = nh * sh.G, Dv = sh.Dv;
+  if (!lens) return;
+  std::fill(st.accq.begin(), st.accq.end(), 0.f);
+  std::fill(st.zsum.begin(), st.zsum.end(), 0.f);
+  prefetch_chunk(cp, sh, ids[0], hk0, nh);
+  for (int64_t chunk = 0; chunk < lens; ++chunk) {
+    if (chunk + 1 < lens) prefetch_chunk(cp, sh, ids[chunk + 1], hk0, nh);  // the next chunk's rows
+    for (int64_t j = 0; j < cp.rows; j += CHUNK) {
+      const int64_t cn = std::min(CHUNK, cp.rows - j);
+      if (cp.kind == KVQUANT) scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
+      else rkv_scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
+    }
+  }
+  const int64_t nz = cp.kind == KVQUANT ? 1 : Dv / cp.rt.group;
+  for (int64_t qi = 0; qi < QH; ++qi)
+    for (int64_t d = 0; d < Dv; ++d)
+      st.acc[qi * Dv + d] += st.accq[qi * Dv + (cp.bits == 4 ? code_lane<4>(d) : d)] +
+                             st.zsum[qi * nz + (nz == 1 ? 0 : d / cp.rt.group)];
+  for (int64_t qi = 0; cp.kind == ROTATEKV && qi < QH; ++qi) fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
+}
+
 template <Elem TO>
-void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
+__attribute__((noinline)) void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
                  float scale, int64_t b, int64_t hk0, int64_t nh, float* out, Scratch& st) {
   const int64_t D = sh.D, Dv = sh.Dv, G = sh.G, QH = nh * G;
   const int64_t n_comp = cp.lens[b] * cp.rows, n_tail = tail.lens[b];
@@ -1568,7 +1790,6 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
   std::fill(st.acc.begin(), st.acc.begin() + QH * Dv, 0.f);
   std::fill(st.m.begin(), st.m.begin() + QH, -std::numeric_limits<float>::infinity());
   std::fill(st.l.begin(), st.l.begin() + QH, 0.f);
-  if (scored) std::fill(st.accq.begin(), st.accq.end(), 0.f), std::fill(st.zsum.begin(), st.zsum.end(), 0.f);
   st.group_chunk = st.group = -1;
   int64_t chunk = 0, j = 0, group = 0, in_group = 0;  // cursor over the compressed rows
   int64_t ahead_chunk = 0, ahead_j = 0;  // the next row to prefetch: PREFETCH_ROWS past the cursor
@@ -1577,19 +1798,12 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     if (++ahead_j == cp.rows) ahead_j = 0, ++ahead_chunk;
   };
   const bool segments = kvquant_segments(cp, sh);  // kvquant rows a segment (of one chunk) at a time
-  if (scored && n_comp) prefetch_chunk(cp, sh, ids[0], hk0);
+  if (scored) scored_item(cp, sh, b, hk0, nh, st);  // the compressed rows: the loop below starts past them
   else for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
   const bool fold = folds_values<TO> && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
-  for (int64_t c0 = 0, cn = 0; c0 < n; c0 += cn) {
-    if (scored && c0 < n_comp) {  // compressed rows of one chunk, up to CHUNK of them, on the key-score path
-      cn = std::min(CHUNK, cp.rows - j);
-      if (j == 0 && chunk + 1 < cp.lens[b]) prefetch_chunk(cp, sh, ids[chunk + 1], hk0);  // the next chunk's rows
-      scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
-      if ((j += cn) == cp.rows) j = 0, ++chunk;
-      continue;
-    }
+  for (int64_t c0 = scored ? n_comp : 0, cn = 0; c0 < n; c0 += cn) {
     cn = std::min(CHUNK, (fold && c0 < n_comp ? n_comp : n) - c0);
     const int64_t cn8 = (cn + VW - 1) / VW * VW;
     for (int64_t c = 0; c < cn; ++c) {
@@ -1629,7 +1843,6 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
     auto state = [&](int64_t qi, int64_t slot) {  // slot: which CHUNK floats of score scratch
       return HeadState{st.qf.data() + qi * D, st.s.data() + slot * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * Dv};
     };
-    for (int64_t qi = 0; scored && qi < QH; ++qi) st.m0[qi] = st.m[qi];
     for (int64_t hh = 0; hh < nh; ++hh) {  // a KV head's query heads two at a time (rows loaded once for both)
       const float* const* kh = kp + hh * CHUNK;
       const float* const* vh = vp + hh * CHUNK;
@@ -1637,14 +1850,10 @@ void attend_item(const float* q, const Compressed& cp, const Part& tail, const P
       for (; g + 1 < G; g += 2) attend_chunk2(state(hh * G + g, 0), state(hh * G + g + 1, 1), kh, vh, cn, cn, D, Dv);
       if (g < G) attend_chunk(state(hh * G + g, 0), kh, vh, cn, D, Dv);
     }
-    for (int64_t qi = 0; scored && qi < QH; ++qi) fold_rescale(st, qi, st.m0[qi], Dv);
     if (fold && c0 + cn == n_comp)
       for (int64_t qi = 0; qi < QH; ++qi)
         fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
   }
-  for (int64_t qi = 0; scored && qi < QH; ++qi)  // the values' sums of the key-score path, in channel order
-    for (int64_t d = 0; d < Dv; ++d)
-      st.acc[qi * Dv + d] += st.accq[qi * Dv + (cp.bits == 4 ? code_lane<4>(d) : d)] + st.zsum[qi];
   for (int64_t qi = 0; qi < QH; ++qi) {
     float* o = out + (b * sh.H + hk0 * G + qi) * Dv;
     const float inv = st.l[qi] > 0.f ? 1.f / st.l[qi] : 0.f;
@@ -1723,8 +1932,15 @@ void set_rotated(Compressed& cp, at::TensorList comp, at::IntArrayRef params, co
   rt.cos = cos.data_ptr<float>();
   rt.sin = sin.data_ptr<float>();
   rt.P = cos.size(0);
-  rt.one_angle = rt.rope_hc == 0 || (at::equal(cos.narrow(1, 0, D / 2), cos.narrow(1, D / 2, D / 2)) &&
-                                     at::equal(sin.narrow(1, 0, D / 2), sin.narrow(1, D / 2, D / 2)));
+  const at::Tensor &cos_t = comp[kvq ? 15 : 9], &sin_t = comp[kvq ? 16 : 10];
+  if (cos_t.numel()) {
+    TORCH_CHECK(cos_t.scalar_type() == at::kFloat && cos_t.dim() == 2 && cos_t.size(0) == D / 2 &&
+                    cos_t.size(1) >= rt.P && sin_t.sizes() == cos_t.sizes() && sin_t.scalar_type() == at::kFloat,
+                "draft_decode_attention: cos_t / sin_t must be float32 [D / 2, >= P] (or empty)");
+    rt.cos_t = cos_t.data_ptr<float>();
+    rt.sin_t = sin_t.data_ptr<float>();
+    rt.Pt = cos_t.size(1);
+  }
   if (kvq) {
     rt.num_levels = int64_t{1} << bits;
     cp.k_scale = f16(comp[1], {nc, Hkv, D}, "k_scale");
@@ -1795,9 +2011,9 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const Part draft = exact_part(draft_k, draft_v, draft_index, draft_lens, sh, "draft");
 
   check_index(chunk_ids, chunk_lens, sh.B, "chunk");
-  static const size_t want_of[] = {2, 4, 4, 6, 15, 9};
+  static const size_t want_of[] = {2, 4, 4, 6, 17, 11};
   TORCH_CHECK(kind >= TOKEN_DROP && kind <= ROTATEKV && comp.size() == want_of[kind],
-              "draft_decode_attention: kind 0-5 with 2, 4, 4, 6, 15 or 9 compressed tensors");
+              "draft_decode_attention: kind 0-5 with 2, 4, 4, 6, 17 or 11 compressed tensors");
   TORCH_CHECK(params.size() == (kind == ROTATEKV ? 2u : 0u), "draft_decode_attention: params must be "
               "[key_heads, block] for rotatekv, empty otherwise");
   for (const auto& t : comp) TORCH_CHECK(t.is_contiguous(), "draft_decode_attention: compressed tensors must be contiguous");
@@ -1855,16 +2071,6 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   for (int64_t i = 0; i < chunk_ids.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < nc, "draft_decode_attention: chunk id out of range");
   if (cp.rt.pos != nullptr) check_positions(cp, sh);
-  std::vector<float> rel;  // key_scores' RoPE angles of offsets [0, T), pair-major
-  if (key_scores_apply(cp, sh)) {
-    const int64_t hd = sh.D / 2;
-    rel.resize(2 * hd * R);
-    for (int64_t i = 0; i < hd; ++i)
-      for (int64_t j = 0; j < R; ++j)
-        rel[i * R + j] = cp.rt.cos[j * cp.rt.rope_width + i], rel[(hd + i) * R + j] = cp.rt.sin[j * cp.rt.rope_width + i];
-    cp.rt.rel_cos = rel.data();
-    cp.rt.rel_sin = rel.data() + hd * R;
-  }
 
   auto out = at::empty({sh.B, sh.H, sh.Dv}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -1874,7 +2080,7 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const int64_t nh = kind == ROTATEKV && cp.rt.block == sh.D ? cp.rt.key_heads : 1, per = sh.Hkv / nh;
   with_rounding(cp.round_to, [&](auto to) {
     at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
-      Scratch st(sh, kind == KVQUANT ? cp.rows : 0);
+      Scratch st(sh, kind == KVQUANT || kind == ROTATEKV ? cp.rows : 0);
       for (int64_t w = begin; w < end; ++w)
         attend_item<decltype(to)::value>(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
     });
