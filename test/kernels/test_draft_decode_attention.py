@@ -240,20 +240,23 @@ def test_kvquant_kv_head_counts_one_and_not_a_power_of_two(name, num_kv_heads, m
 @pytest.mark.parametrize("chunk", [16, 32, 48])
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", PRE_ROPE)
-def test_pre_rope_keys_scored_from_their_codes(name, head_dim, num_kv_heads, chunk, heads_per_kv_head, monkeypatch):
+@pytest.mark.parametrize("name", PRE_ROPE + ("kivi2", "kivi4"))
+def test_keys_scored_from_their_codes(name, head_dim, num_kv_heads, chunk, heads_per_kv_head, monkeypatch):
     """Float32 rows (what the model passes), chunks of a multiple of 16 rows at consecutive positions: under AVX-512
-    kvquant's and rotatekv's keys are scored 16 at a time from their codes and the values summed from theirs
-    (kvquant_key_scores / rotatekv_key_scores; chunks of 48 are split between 64-key windows), rotatekv where its
-    Hadamard transform spans at most 128 channels (one or two heads of 64, one of 128) and a KV head has 1, 2 or 4
-    query heads; the rest (3 query heads, rotatekv over two heads of 128) take the row path. Queries in bfloat16 as
-    the model's. The attention as the reference's, a request's output bitwise the same alone, and with every
-    chunk's positions broken by a gap (the row path) the reference's again."""
+    kvquant's, rotatekv's and kivi's keys are scored 16 at a time from their codes and the values summed from theirs
+    (kvquant_key_scores / rotatekv_key_scores / kivi_key_scores; chunks of 48 are split between 64-key windows, and
+    hold three kivi key groups of 16), rotatekv where its Hadamard transform spans at most 128
+    channels (one or two heads of 64, one of 128), rotatekv and kivi where a KV head has 1, 2 or 4 query heads; the
+    rest (3 query heads, rotatekv over two heads of 128) take the row path. Queries in bfloat16 as the model's. The
+    attention as the reference's, a request's output bitwise the same alone, and with every chunk's positions
+    broken by a gap (pre-RoPE keys: the row path) the reference's again."""
     monkeypatch.setattr(sys.modules[__name__], "G", heads_per_kv_head)
     monkeypatch.setattr(sys.modules[__name__], "HKV", num_kv_heads)
     mix = [(3, 5, 2), (1, 0, 1), (4, 11, 0), (2, 0, 0)]
+    # kivi: chunks of whole groups of 32 or 16 (its 4-bit values in groups of 16: the row path)
+    group = 16 if name.startswith("kivi") and chunk % 32 else 32
     for gap in (0, 3):
-        case = Case(name, torch.bfloat16, mix=mix, seed=11, chunk=chunk, head_dim=head_dim, group_size=32,
+        case = Case(name, torch.bfloat16, mix=mix, seed=11, chunk=chunk, head_dim=head_dim, group_size=group,
                     position_gap=gap)
         out = case.run(round_to=torch.float32)
         assert (out - case.reference(round_to=torch.float32)).abs().max().item() < 2e-6

@@ -381,7 +381,7 @@ struct Scratch {
   // the chunk's value scales / zeros of the head [T] (vtmp: every head's, converted); its value outliers as
   // (row, channel, exact - dequantized) lists; the window's p * scale [G, CHUNK]
   std::vector<float> accq, zsum, vsc, vzr, vtmp, vo_x, pp;
-  std::vector<float> ksc, kzr, xbuf;  // rotatekv_key_scores: the keys' scales / zeros [heads * groups, T]; a block's
+  std::vector<float> ksc, kzr, xbuf, zsc;  // zsc: kivi_key_scores' q . zero [T / key_group, G]  // rotatekv_key_scores: the keys' scales / zeros [heads * groups, T]; a block's
                                       // dequantized channels [nh * D, 16]
   std::vector<int32_t> vo_j, vo_d;
   int64_t vo_n = 0;
@@ -390,11 +390,11 @@ struct Scratch {
         acc(sh.H * sh.Dv), m(sh.H), l(sh.H), ks(sh.D), kz(sh.D), vs(sh.Dv), vz(sh.Dv), pre(sh.Hkv * sh.D),
         klv(16, 0.f), vlv(16, 0.f), kp(sh.Hkv * CHUNK), vp(sh.Hkv * CHUNK), k_patch(rows * sh.Hkv * sh.D + VW),
         v_patch(rows * sh.Hkv * sh.D + VW), k_mask(rows * sh.Hkv * sh.D / 8 + 4), v_mask(rows * sh.Hkv * sh.D / 8 + 4),
-        kpre(rows ? CHUNK * sh.D : 0), ktab(rows ? 16 : 0), kpat_t(rows * sh.D), qrot(rows ? sh.H * sh.D : 0),
+        kpre(rows ? CHUNK * sh.D : 0), ktab(rows ? 16 : 0), kpat_t(rows * sh.D), qrot(rows ? (rows + sh.Hkv) * sh.G * sh.D : 0),
         sg(rows ? sh.H * CHUNK : 0), kmask_t(rows * sh.D / 16 + 1), accq(rows ? sh.H * sh.D : 0),
         zsum(sh.H * (sh.D / 16 + 1)), vsc(rows * sh.Hkv * (sh.D / 16 + 1) + 16), vzr(vsc.size()),
         vtmp(rows * sh.Hkv * (sh.D / 16 + 1) + 16), pp(rows ? sh.H * (sh.D / 16 + 1) * CHUNK : 0), ksc(vsc.size()),
-        kzr(vsc.size()), xbuf(rows ? 16 * sh.Hkv * sh.D : 0) {
+        kzr(vsc.size()), xbuf(rows ? 16 * sh.Hkv * sh.D : 0), zsc(rows * sh.G) {
     if (sh.Hkv & (sh.Hkv - 1)) {  // kvq_this_head splits a power-of-two count by shifts
       rh_row.resize(rows * sh.Hkv), rh_head.resize(rows * sh.Hkv);
       for (int64_t i = 0; i < rows * sh.Hkv; ++i)
@@ -997,15 +997,20 @@ void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0,
 // scale groups of whole 32-channel blocks and 1, 2 or 4 query heads a KV head.
 inline bool key_scores_apply(const Compressed& cp, const Shape& sh) {
   const Rotated& rt = cp.rt;
+  const bool three_heads = sh.G == 1 || sh.G == 2 || sh.G == 4;  // minmax_value_sums' instances
+  if (cp.kind == KIVI)  // kivi_key_scores: key groups of whole 16-row blocks, value groups as rotatekv's
+    return cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D && cp.rows % 16 == 0 &&
+           cp.key_group % 16 == 0 && cp.value_group % (cp.bits == 4 ? 32 : 16) == 0 && three_heads;
   const bool common = cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D && cp.rows % 16 == 0 &&
                       !rt.pos_per_head && rt.cos_t != nullptr;
   if (cp.kind == KVQUANT) return common;
   return common && cp.kind == ROTATEKV && rt.block == sh.D && rt.key_heads * sh.D <= 128 && rt.group % 32 == 0 &&
-         (sh.G == 1 || sh.G == 2 || sh.G == 4);
+         three_heads;
 }
 
-// Whether every chunk of request b holds positions p0, p0 + 1, ..., p0 + T - 1.
+// Whether every chunk of request b holds positions p0, p0 + 1, ..., p0 + T - 1 (kivi: no positions needed).
 inline bool key_scores_request(const Compressed& cp, int64_t b) {
+  if (cp.kind == KIVI) return true;
   const int64_t T = cp.rows;
   for (int64_t c = 0; c < cp.lens[b]; ++c) {
     const int32_t* p = cp.rt.pos + cp.ids[b * cp.width + c] * T;
@@ -1423,16 +1428,16 @@ void rkv_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
   }
 }
 
-// Rows [j0, j1) of chunk id: st.accq[qi] += (p scale) (code - c0) per lane (code_lane order) and
+// Min-max values (rotatekv's, kivi's: code * scale + zero per token and group of `group` channels), rows [j0, j1)
+// of chunk id, the NHK KV heads from hk0: st.accq[qi] += (p scale) (code - c0) per lane (code_lane order) and
 // st.zsum[qi * ng + g] += p (zero + c0 scale), with the probabilities in st.sg. c0 = (2^bits - 1) / 2, the middle
 // code: both sums are then of a value's size (zero is the group's minimum: p zero and p scale code would be
 // large and cancel, losing bits).
 template <int BITS, int DC, int NHK, int G>
-void rkv_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk0,
-                    Scratch& st) {
+void minmax_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk0,
+                       int64_t group, Scratch& st) {
   constexpr int NV = DC / 16, NB = DC * BITS / 8;
-  const Rotated& rt = cp.rt;
-  const int64_t T = cp.rows, rs = sh.Hkv * NB, ng = DC / rt.group, n = j1 - j0;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, ng = DC / group, n = j1 - j0;
   constexpr float c0 = ((1 << BITS) - 1) / 2.f;
   const __m512 centered = _mm512_sub_ps(code_floats(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
                                         _mm512_set1_ps(c0));  // code - c0 by code
@@ -1463,7 +1468,7 @@ void rkv_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) {
         const __m512 l = _mm512_permutexvar_ps(q[i], centered);
-        const int64_t grp = (BITS == 4 ? 32 * (i / 2) : 16 * i) / rt.group;  // the lanes' scale group
+        const int64_t grp = (BITS == 4 ? 32 * (i / 2) : 16 * i) / group;  // the lanes' scale group
         for (int g = 0; g < G; ++g)
           a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(pp[((hh * G + g) * ng + grp) * CHUNK + c]), l, a[g][i]);
       }
@@ -1484,7 +1489,7 @@ void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
     softmax_chunk(HeadState{nullptr, st.sg.data() + qi * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * DC}, cn, DC);
     fold_rescale(st, qi, m0, DC, ng);
   }
-  rkv_value_sums<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, st);
+  minmax_value_sums<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, cp.rt.group, st);
 }
 
 inline void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk0,
@@ -1503,11 +1508,118 @@ inline void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, i
   if (cp.bits == 2) by_dim(std::integral_constant<int, 2>{});
   else by_dim(std::integral_constant<int, 4>{});
 }
+
+// ---- kivi_key_scores: kivi's keys (per channel over groups of key_group tokens: code * scale + zero, RoPE already
+// on) scored 16 to a vector: q . k = (q * scale) . code + q . zero, so per channel one permute (the codes' values)
+// and one fused multiply-add a query head, and one constant a key group; values as rotatekv's (minmax_value_sums).
+
+// Rows [j0, j1) of chunk id (multiples of 16; key groups of a multiple of 16 rows), KV head hk, query heads
+// [g0, g0 + NG): scores into st.sg[g * CHUNK + j - j0].
+template <int BITS, int DC, int NG>
+void kivi_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
+                      int64_t g0, Scratch& st) {
+  constexpr int NB = DC * BITS / 8, NA = NG >= 4 ? 2 : 4;
+  const int64_t T = cp.rows, rs = sh.Hkv * NB, kg = cp.key_group;
+  const uint8_t* kc0 = static_cast<const uint8_t*>(cp.k) + (id * T * sh.Hkv + hk) * NB;
+  const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rs)));
+  const __m512i m2 = _mm512_set1_epi32(3);
+  for (int64_t j = j0; j < j1; j += 16) {
+    const int64_t grp = j / kg;
+    const float* qs = st.qrot.data() + (grp * sh.G + g0) * DC;  // q * scale of the group [G, D]
+    const uint8_t* kc = kc0 + j * rs;
+    __m512 acc[NG][NA];
+    for (int g = 0; g < NG; ++g)
+      for (int a = 0; a < NA; ++a) acc[g][a] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int w = 0; w < NB / 4; ++w) {  // a dword: 8 4-bit or 16 2-bit codes of each of the 16 rows
+      const __m512i word = _mm512_i32gather_epi32(vidx, kc + 4 * w, 1);
+      constexpr int PER = 32 / BITS;
+#pragma GCC unroll 16
+      for (int t = 0; t < PER; ++t) {
+        const int ch = PER * w + t;
+        __m512i code = _mm512_srli_epi32(word, BITS * t);
+        if constexpr (BITS == 2) code = _mm512_and_si512(code, m2);
+        const __m512 x = code_floats(code);
+        for (int g = 0; g < NG; ++g) {
+          __m512& z = acc[g][t % NA];
+          z = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * DC + ch]), x, z);
+        }
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      __m512 z = NA == 4 ? _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3]))
+                         : _mm512_add_ps(acc[g][0], acc[g][1]);
+      z = _mm512_add_ps(z, _mm512_set1_ps(st.zsc[grp * sh.G + g0 + g]));
+      _mm512_storeu_ps(st.sg.data() + (g0 + g) * CHUNK + (j - j0), z);
+    }
+  }
+}
+
+// Chunk id of KV head hk before its rows: per key group and query head q * scale [T / key_group, G, D] (st.qrot)
+// and q . zero (st.zsc); the values' scales / zeros (as rotatekv's).
+template <int DC>
+void kivi_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, Scratch& st) {
+  const int64_t T = cp.rows, kg = cp.key_group, ngk = T / kg, ngv = DC / cp.value_group;
+  for (int64_t grp = 0; grp < ngk; ++grp) {
+    const int64_t at = ((id * ngk + grp) * sh.Hkv + hk) * DC;
+    for (int64_t d = 0; d < DC; d += 16) {
+      _mm512_storeu_ps(st.ks.data() + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp.k_scale + at + d))));
+      _mm512_storeu_ps(st.kz.data() + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp.k_zero + at + d))));
+    }
+    for (int64_t g = 0; g < sh.G; ++g) {
+      const float* q = st.qf.data() + g * DC;
+      float* qs = st.qrot.data() + (grp * sh.G + g) * DC;
+      __m512 z = _mm512_setzero_ps();
+      for (int64_t d = 0; d < DC; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        _mm512_storeu_ps(qs + d, _mm512_mul_ps(qd, _mm512_loadu_ps(st.ks.data() + d)));
+        z = _mm512_fmadd_ps(qd, _mm512_loadu_ps(st.kz.data() + d), z);
+      }
+      st.zsc[grp * sh.G + g] = _mm512_reduce_add_ps(z);
+    }
+  }
+  const int64_t blk = T * sh.Hkv * ngv;
+  rkv_scales(cp.v_scale + id * blk, T, sh.Hkv, ngv, hk, 1, st.vsc.data(), st);
+  rkv_scales(cp.v_zero + id * blk, T, sh.Hkv, ngv, hk, 1, st.vzr.data(), st);
+}
+
+template <int BITS, int DC, int G>
+void kivi_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk,
+                      Scratch& st) {
+  if (j == 0) kivi_chunk<DC>(cp, sh, id, hk, st);
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) kivi_scores_rows<BITS, DC, 2>(cp, sh, id, j, j + cn, hk, g, st);
+  if (g < G) kivi_scores_rows<BITS, DC, 1>(cp, sh, id, j, j + cn, hk, g, st);
+  for (g = 0; g < G; ++g) {
+    const float m0 = st.m[g];
+    softmax_chunk(HeadState{nullptr, st.sg.data() + g * CHUNK, &st.m[g], &st.l[g], st.acc.data() + g * DC}, cn, DC);
+    fold_rescale(st, g, m0, DC, DC / cp.value_group);
+  }
+  minmax_value_sums<BITS, DC, 1, G>(cp, sh, id, j, j + cn, hk, cp.value_group, st);
+}
+
+inline void kivi_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk,
+                             Scratch& st) {
+  auto by_heads = [&](auto bits, auto dim) {
+    constexpr int B = decltype(bits)::value, DC = decltype(dim)::value;
+    if (sh.G == 1) kivi_scored_rows<B, DC, 1>(cp, sh, id, j, cn, hk, st);
+    else if (sh.G == 2) kivi_scored_rows<B, DC, 2>(cp, sh, id, j, cn, hk, st);
+    else kivi_scored_rows<B, DC, 4>(cp, sh, id, j, cn, hk, st);
+  };
+  auto by_dim = [&](auto bits) {
+    if (sh.D == 64) by_heads(bits, std::integral_constant<int, 64>{});
+    else by_heads(bits, std::integral_constant<int, 128>{});
+  };
+  if (cp.bits == 2) by_dim(std::integral_constant<int, 2>{});
+  else by_dim(std::integral_constant<int, 4>{});
+}
 #else
 inline bool key_scores_apply(const Compressed&, const Shape&) { return false; }
 inline bool key_scores_request(const Compressed&, int64_t) { return false; }
 inline void scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
 inline void rkv_scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
+inline void kivi_scored_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, Scratch&) {}
 inline bool kvquant_segments(const Compressed&, const Shape&) { return false; }
 template <Elem TO>
 void kvquant_rows(const Compressed&, const Shape&, int64_t, int64_t, int64_t, int64_t, float*, float*, Scratch&) {}
@@ -1762,14 +1874,14 @@ __attribute__((noinline)) void scored_item(const Compressed& cp, const Shape& sh
     for (int64_t j = 0; j < cp.rows; j += CHUNK) {
       const int64_t cn = std::min(CHUNK, cp.rows - j);
       if (cp.kind == KVQUANT) scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
+      else if (cp.kind == KIVI) kivi_scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
       else rkv_scored_rows(cp, sh, ids[chunk], j, cn, hk0, st);
     }
   }
-  const int64_t nz = cp.kind == KVQUANT ? 1 : Dv / cp.rt.group;
+  const int64_t vg = cp.kind == KVQUANT ? Dv : cp.kind == KIVI ? cp.value_group : cp.rt.group, nz = Dv / vg;
   for (int64_t qi = 0; qi < QH; ++qi)
     for (int64_t d = 0; d < Dv; ++d)
-      st.acc[qi * Dv + d] += st.accq[qi * Dv + (cp.bits == 4 ? code_lane<4>(d) : d)] +
-                             st.zsum[qi * nz + (nz == 1 ? 0 : d / cp.rt.group)];
+      st.acc[qi * Dv + d] += st.accq[qi * Dv + (cp.bits == 4 ? code_lane<4>(d) : d)] + st.zsum[qi * nz + d / vg];
   for (int64_t qi = 0; cp.kind == ROTATEKV && qi < QH; ++qi) fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
 }
 
@@ -2080,7 +2192,7 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
   const int64_t nh = kind == ROTATEKV && cp.rt.block == sh.D ? cp.rt.key_heads : 1, per = sh.Hkv / nh;
   with_rounding(cp.round_to, [&](auto to) {
     at::parallel_for(0, sh.B * per, 1, [&](int64_t begin, int64_t end) {
-      Scratch st(sh, kind == KVQUANT || kind == ROTATEKV ? cp.rows : 0);
+      Scratch st(sh, kind == KVQUANT || kind == ROTATEKV || kind == KIVI ? cp.rows : 0);
       for (int64_t w = begin; w < end; ++w)
         attend_item<decltype(to)::value>(qp, cp, tail, draft, sh, fscale, w / per, w % per * nh, nh, op, st);
     });
