@@ -1139,6 +1139,28 @@ __attribute__((always_inline)) inline void value_codes(const uint8_t* vc, __m512
   }
 }
 
+// accq[g] (NG query heads, DC lanes in code_lane order) += weight(g, i, c) * table[code] over n code rows from vc
+// (stride rs), vector i of row c: the value sums' one loop (kvquant's and min-max values').
+template <int BITS, int DC, int NG, typename W>
+__attribute__((always_inline)) inline void sum_code_rows(const uint8_t* vc, int64_t rs, int64_t n, __m512 table,
+                                                         W weight, float* accq) {
+  constexpr int NV = DC / 16;
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(accq + g * DC + 16 * i);
+  for (int64_t c = 0; c < n; ++c, vc += rs) {
+    __m512i q[NV];
+    value_codes<BITS, DC>(vc, q);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const __m512 l = _mm512_permutexvar_ps(q[i], table);
+      for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(weight(g, i, c)), l, a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(accq + g * DC + 16 * i, a[g][i]);
+}
+
 // The value side of chunk id, KV head hk, before its rows are summed: its scales / zeros as float32 (st.vsc /
 // st.vzr [T]) and its value outliers as (row, channel, exact - dequantized) (st.vo_*).
 template <int BITS, int DC>
@@ -1193,7 +1215,7 @@ void value_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, 
 template <int BITS, int DC, int NG>
 void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk,
                       int64_t g0, float* acc, Scratch& st) {
-  constexpr int NV = DC / 16, NB = DC * BITS / 8;
+  constexpr int NB = DC * BITS / 8;
   const int64_t T = cp.rows, rs = sh.Hkv * NB, n = j1 - j0;
   float lv[16];
   for (int e = 0; e < 16; ++e) lv[e] = st.vlv[e & (cp.rt.num_levels - 1)];
@@ -1209,21 +1231,9 @@ void value_sums_heads(const Compressed& cp, const Shape& sh, int64_t id, int64_t
     }
     st.zsum[g0 + g] += _mm512_reduce_add_ps(z);
   }
-  __m512 a[NG][NV];
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(st.accq.data() + (g0 + g) * DC + 16 * i);
   const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + ((id * T + j0) * sh.Hkv + hk) * NB;
-  for (int64_t c = 0; c < n; ++c, vc += rs) {
-    __m512i q[NV];
-    value_codes<BITS, DC>(vc, q);
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) {
-      const __m512 l = _mm512_permutexvar_ps(q[i], lv16);
-      for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(pp[g * CHUNK + c]), l, a[g][i]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(st.accq.data() + (g0 + g) * DC + 16 * i, a[g][i]);
+  sum_code_rows<BITS, DC, NG>(vc, rs, n, lv16, [&](int g, int, int64_t c) { return pp[g * CHUNK + c]; },
+                              st.accq.data() + g0 * DC);
   for (int64_t e = 0; e < st.vo_n; ++e) {  // the exact outliers (a chunk's are ~1% of its values)
     const int64_t j = st.vo_j[e];
     if (j < j0 || j >= j1) continue;
@@ -1436,7 +1446,7 @@ void rkv_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
 template <int BITS, int DC, int NHK, int G>
 void minmax_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0, int64_t j1, int64_t hk0,
                        int64_t group, Scratch& st) {
-  constexpr int NV = DC / 16, NB = DC * BITS / 8;
+  constexpr int NB = DC * BITS / 8;
   const int64_t T = cp.rows, rs = sh.Hkv * NB, ng = DC / group, n = j1 - j0;
   constexpr float c0 = ((1 << BITS) - 1) / 2.f;
   const __m512 centered = _mm512_sub_ps(code_floats(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
@@ -1458,23 +1468,12 @@ void minmax_value_sums(const Compressed& cp, const Shape& sh, int64_t id, int64_
     }
   }
   for (int hh = 0; hh < NHK; ++hh) {
-    __m512 a[G][NV];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(st.accq.data() + (hh * G + g) * DC + 16 * i);
     const uint8_t* vc = static_cast<const uint8_t*>(cp.v) + ((id * T + j0) * sh.Hkv + hk0 + hh) * NB;
-    for (int64_t c = 0; c < n; ++c, vc += rs) {
-      __m512i q[NV];
-      value_codes<BITS, DC>(vc, q);
-#pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) {
-        const __m512 l = _mm512_permutexvar_ps(q[i], centered);
-        const int64_t grp = (BITS == 4 ? 32 * (i / 2) : 16 * i) / group;  // the lanes' scale group
-        for (int g = 0; g < G; ++g)
-          a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(pp[((hh * G + g) * ng + grp) * CHUNK + c]), l, a[g][i]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(st.accq.data() + (hh * G + g) * DC + 16 * i, a[g][i]);
+    const auto weight = [&](int g, int i, int64_t c) {
+      const int64_t grp = (BITS == 4 ? 32 * (i / 2) : 16 * i) / group;  // the lanes' scale group
+      return pp[((hh * G + g) * ng + grp) * CHUNK + c];
+    };
+    sum_code_rows<BITS, DC, G>(vc, rs, n, centered, weight, st.accq.data() + hh * G * DC);
   }
 }
 
