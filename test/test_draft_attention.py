@@ -14,7 +14,7 @@ import torch
 
 from sglang_vericache.model_executor.forward_batch import DraftContext, ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, default_model_path
 from sglang_vericache.testing import make_random_checkpoint
 from sglang_vericache.testing.draft_batches import (
     DraftPool,
@@ -318,6 +318,32 @@ def test_fused_kernel_gives_the_torch_paths_draft_logits(runner, compressor, mon
     fused, torch_path = both_paths(runner, lambda: runner.forward(fb))
     release(runner, reqs)
     assert len(calls) == runner.model_config.num_hidden_layers
+    assert (fused - torch_path).abs().max().item() < EXACT_ATOL
+    assert torch.equal(fused.argmax(-1), torch_path.argmax(-1))
+
+
+@pytest.mark.parametrize("compressor", ["kvquant4", "rotatekv4", "kivi4"])
+def test_fused_kernel_scores_keys_from_codes_in_the_bundled_model(compressor):
+    """The bundled model (head dim 64, two KV heads of two query heads each) with pages of 16: chunks of whole
+    16-row blocks at consecutive positions, which the kernel scores from their codes under AVX-512
+    (kvquant_key_scores / rotatekv_key_scores / kivi_key_scores; elsewhere its row path): the draft logits of a
+    mixed batch (1-4 compressed pages, tails, previous drafts) as the torch path's, the same argmax."""
+    page = 16
+    runner = ModelRunner(ServerArgs(model_path=default_model_path(), dtype="float32", page_size=page,
+                                    max_total_tokens=2048, max_running_requests=8))
+    lens = [(40, 2), (17, 0), (70, 1)]  # (committed tokens, previous drafts)
+    seqs = [tokens(n + j, seed=90 + i) for i, (n, j) in enumerate(lens)]
+    cpool = make_compressed_pool(runner, compressor, ratio=3, num_chunks=40, group_size=32)
+    draft = DraftPool(runner, num_slots=16)
+    reqs = prefill(runner, [s[: n - 1 + j] for s, (n, j) in zip(seqs, lens)])
+    dreqs = []
+    for req, (n, j) in zip(reqs, lens):
+        req.kv_len = n - 1
+        d = compress_prefix(runner, cpool, req, (n - 1) // page, random_queries=torch.Generator().manual_seed(0))
+        d.draft_slots = copy_exact_to_draft(runner, draft, runner.req_to_token_pool.req_to_token[req.pool_idx, n - 1 : n - 1 + j])
+        dreqs.append(d)
+    fb = prepare_draft_batch(runner, cpool, dreqs, [s[-1] for s in seqs], draft)
+    fused, torch_path = both_paths(runner, lambda: runner.forward(fb))
     assert (fused - torch_path).abs().max().item() < EXACT_ATOL
     assert torch.equal(fused.argmax(-1), torch_path.argmax(-1))
 
