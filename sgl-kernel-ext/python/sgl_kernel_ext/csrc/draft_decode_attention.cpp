@@ -992,20 +992,21 @@ void kvquant_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j0,
 // 128, chunks of a multiple of 16 rows at consecutive positions (one per row), a RoPE table whose channel pairs
 // share their angles.
 
-// Whether a call can take the key-score path (a request also needs consecutive positions: key_scores_request):
-// kvquant, or rotatekv (rotatekv_key_scores) with one Hadamard transform a head's D channels or two heads',
-// scale groups of whole 32-channel blocks and 1, 2 or 4 query heads a KV head.
+// Whether a call can take a key-score path (kvquant and rotatekv requests also need consecutive positions:
+// key_scores_request): kvquant; rotatekv (rotatekv_key_scores) with one Hadamard transform over a head's D channels
+// or two heads', scale groups of whole 32-channel blocks and 1, 2 or 4 query heads a KV head; kivi
+// (kivi_key_scores) with key groups of whole 16-row blocks, value groups as rotatekv's, 1, 2 or 4 query heads.
 inline bool key_scores_apply(const Compressed& cp, const Shape& sh) {
   const Rotated& rt = cp.rt;
-  const bool three_heads = sh.G == 1 || sh.G == 2 || sh.G == 4;  // minmax_value_sums' instances
-  if (cp.kind == KIVI)  // kivi_key_scores: key groups of whole 16-row blocks, value groups as rotatekv's
+  const bool heads_instanced = sh.G == 1 || sh.G == 2 || sh.G == 4;  // minmax_value_sums' instances
+  if (cp.kind == KIVI)
     return cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D && cp.rows % 16 == 0 &&
-           cp.key_group % 16 == 0 && cp.value_group % (cp.bits == 4 ? 32 : 16) == 0 && three_heads;
+           cp.key_group % 16 == 0 && cp.value_group % (cp.bits == 4 ? 32 : 16) == 0 && heads_instanced;
   const bool common = cp.round_to == F32 && (sh.D == 64 || sh.D == 128) && sh.Dv == sh.D && cp.rows % 16 == 0 &&
                       !rt.pos_per_head && rt.cos_t != nullptr;
   if (cp.kind == KVQUANT) return common;
   return common && cp.kind == ROTATEKV && rt.block == sh.D && rt.key_heads * sh.D <= 128 && rt.group % 32 == 0 &&
-         three_heads;
+         heads_instanced;
 }
 
 // Whether every chunk of request b holds positions p0, p0 + 1, ..., p0 + T - 1 (kivi: no positions needed).
