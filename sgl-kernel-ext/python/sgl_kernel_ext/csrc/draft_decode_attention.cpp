@@ -173,6 +173,13 @@ inline void int8_row(const int8_t* src, float scale, float* dst, int64_t n) {
     _mm512_storeu_ps(dst + i, rounded<TO>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), s16)));
   }
 #endif
+#ifdef ATTN_AVX2  // the same conversion 8 at a time (the vector-extension loop below compiled to ~2x slower drafting)
+  const __m256 s8 = _mm256_set1_ps(scale);
+  for (; i < n; i += VW) {
+    const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    vstore(dst + i, rounded<TO>((vfloat)_mm256_mul_ps(_mm256_cvtepi32_ps(c), s8)));
+  }
+#endif
   for (; i < n; i += VW) {
     vsbyte raw;
     std::memcpy(&raw, src + i, sizeof(raw));
