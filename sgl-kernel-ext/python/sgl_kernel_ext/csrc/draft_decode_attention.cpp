@@ -384,12 +384,14 @@ struct Scratch {
   // scores of up to CHUNK rows [nh G, CHUNK]
   std::vector<float> ktab, kpat_t, qrot, sg;
   std::vector<uint16_t> kmask_t;
-  // value_sums: per query head the sum of p * scale * level in the codes' lane order [G, D] and of p * zero [G];
-  // the chunk's value scales / zeros of the head [T] (vtmp: every head's, converted); its value outliers as
-  // (row, channel, exact - dequantized) lists; the window's p * scale [G, CHUNK]
+  // value_sums / minmax_value_sums: per query head the sum of p * scale * level in the codes' lane order [nh G, D]
+  // and of p * zero (one, or one a scale group); the chunk's value scales / zeros ([T]; rotatekv / kivi: [heads *
+  // groups, T]; vtmp: every head's, converted); kvquant's value outliers as (row, channel, exact - dequantized)
+  // lists; the window's p * scale
   std::vector<float> accq, zsum, vsc, vzr, vtmp, vo_x, pp;
-  std::vector<float> ksc, kzr, xbuf, zsc;  // zsc: kivi_key_scores' q . zero [T / key_group, G]  // rotatekv_key_scores: the keys' scales / zeros [heads * groups, T]; a block's
-                                      // dequantized channels [nh * D, 16]
+  // rotatekv_key_scores: the keys' scales / zeros [heads * groups, T], a block's dequantized channels
+  // [nh * D, 16]; kivi_key_scores: q . zero [T / key_group, G]
+  std::vector<float> ksc, kzr, xbuf, zsc;
   std::vector<int32_t> vo_j, vo_d;
   int64_t vo_n = 0;
   Scratch(const Shape& sh, int64_t rows)
@@ -1333,8 +1335,8 @@ inline void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64
 // the rotated basis (per token and group of channels) and H the Walsh-Hadamard transform over the N = key_heads * D
 // channels of the item's KV heads. Lanes are keys, so H is butterflies between vectors (no shuffle): strides 1-8
 // over 16 channels at a time in registers (stored to st.xbuf), strides 16 and up over the channels c, c + 16, ...
-// (read back), then RoPE at offset j (RoPE at p0 on the query, as kvquant_key_scores) and 2 fused multiply-adds a
-// channel pair and query head. H's scaling is on the query. Values stay in the rotated basis (as the row path with
+// (read back), then RoPE from the pair-major table (as kvquant_key_scores) and 2 fused multiply-adds a channel pair
+// and query head. H's scaling is on the query. Values stay in the rotated basis (as the row path with
 // float32 rows): sum p (code * scale + zero) = sum (p scale) code + sum p zero per scale group, transformed back once.
 
 // The chunk's scales / zeros of the item's nh KV heads from hk0 ([T, Hkv, ng] float16) as float32 [nh * ng, T].
@@ -1892,9 +1894,10 @@ __attribute__((noinline)) void scored_item(const Compressed& cp, const Shape& sh
   for (int64_t qi = 0; cp.kind == ROTATEKV && qi < QH; ++qi) fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
 }
 
-template <Elem TO>
-__attribute__((noinline)) void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft, const Shape& sh,
-                 float scale, int64_t b, int64_t hk0, int64_t nh, float* out, Scratch& st) {
+template <Elem TO>  // not inlined into the parallel loop: inlined, its row loop compiled ~10% slower
+__attribute__((noinline)) void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft,
+                                           const Shape& sh, float scale, int64_t b, int64_t hk0, int64_t nh,
+                                           float* out, Scratch& st) {
   const int64_t D = sh.D, Dv = sh.Dv, G = sh.G, QH = nh * G;
   const int64_t n_comp = cp.lens[b] * cp.rows, n_tail = tail.lens[b];
   const int64_t n = n_comp + n_tail + (draft.lens ? draft.lens[b] : 0);
