@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, default_model_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
@@ -21,10 +21,10 @@ def llama(tmp_path_factory):
     return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-def run(path, dtype="bfloat16", **server):
+def run(path, dtype="bfloat16", page_size=8, **server):
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
+    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=page_size,
                                  enable_deterministic_inference=True, **server))
     reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
             for i, ids in enumerate(batch)]
@@ -51,3 +51,25 @@ def test_fused_kernel_drafts_and_output_equals_deterministic_full_mode(llama, fu
     assert sched.metrics.spec_rounds_total > 0
     assert sched.model_runner.attn_backend.fused_draft is True
     assert calls  # drafts went through the kernel (a layout it did not read would take the torch path)
+
+
+@pytest.fixture(scope="module")
+def bundled_full():
+    return run(default_model_path(), "bfloat16", page_size=16)[0]
+
+
+@pytest.mark.parametrize("compressor", ["kvquant4", "rotatekv4", "kivi4"])
+def test_keys_scored_from_codes_and_output_equals_deterministic_full_mode(bundled_full, compressor, monkeypatch):
+    """The bundled model (head dim 64) with pages of 16: under AVX-512 the kernel scores these tiers' keys from their
+    codes (kvquant_key_scores / rotatekv_key_scores / kivi_key_scores; elsewhere its row path); VeriCache's tokens and
+    logprobs are still deterministic full mode's bitwise, in bfloat16."""
+    import sgl_kernel_ext.cpu_draft_attention as cda
+
+    calls, kernel = [], cda.draft_decode_attention
+    monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    vc, sched = run(default_model_path(), "bfloat16", page_size=16, kv_compressor=compressor, kv_compression_ratio=2,
+                    speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4", vericache_schedule="lockstep")
+    assert [r.output_ids for r in vc] == [r.output_ids for r in bundled_full]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in bundled_full]
+    assert sched.metrics.spec_rounds_total > 0
+    assert calls
