@@ -8,8 +8,8 @@ compressors' own arithmetic (RoPE from the compressor's own cos / sin table, the
 butterflies in rotatekv.fwht's order: the rows
 equal `decompress()` bitwise, or `decompress().to(round_to)`), never expanded in memory (rotatekv
 with float32 rows: its value rows' inverse transform is applied once to their weighted sum, equal to
-float32 rounding). Under AVX-512, kvquant and rotatekv with float32 rows (what the model passes) and chunks of
-consecutive positions build no rows: keys are scored 16 at a time from their codes and values summed from theirs
+float32 rounding). Under AVX-512, kvquant, rotatekv and kivi with float32 rows (what the model passes) and chunks of
+16k rows (at consecutive positions: pre-RoPE keys) build no rows: keys are scored 16 at a time from their codes and values summed from theirs
 (the same values, rounded in another order: equal to float32 rounding). The
 reduction is batch invariant: each (request, KV head) goes over its keys in order, 64 at a time,
 float32 online softmax; a row's output does not depend on the batch, other rows, padding or the

@@ -10,10 +10,11 @@
 // expanded in memory beyond one chunk of 64 keys per thread. Under AVX-512 rows are dequantized 16
 // values at a time (the arithmetic is elementwise: the same values).
 //
-// kvquant with float32 rows (what the model passes), head dims 64 / 128 and chunks of consecutive positions builds
-// no rows at all (kvquant_key_scores, under AVX-512): keys are scored 16 to a vector from their codes and values
-// summed from theirs. The same dequantized values; the scores and sums are rounded in another order (the
-// attention as the row path's to float32 rounding, not bitwise).
+// kvquant, rotatekv and kivi with float32 rows (what the model passes), head dims 64 / 128 and chunks of a multiple of
+// 16 rows (at consecutive positions: pre-RoPE keys) build no rows at all under AVX-512 (kvquant_key_scores,
+// rotatekv_key_scores, kivi_key_scores; key_scores_apply): keys are scored 16 to a vector from their codes and values
+// summed from theirs. The same dequantized values; the scores and sums are rounded in another order (the attention
+// as the row path's to float32 rounding, not bitwise).
 //
 // Reduction order (batch invariant): each (request, KV head) is one work item; its G query heads
 // go over the request's keys in order, CHUNK keys at a time, float32 online softmax. A row's
@@ -1127,8 +1128,8 @@ void key_scores_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
 // ---- kvquant values summed from their codes (the same windows): the value of channel d of row j is
 // level[code] * scale_j + zero_j, so sum_j p_j v_j[d] = sum_j (p_j scale_j) level[code_jd] + sum_j p_j zero_j: one
 // permute a 16-code vector and one fused multiply-add per query head, no value row built, and the zeros' sum once a
-// window (value_sums). The exact outliers add p_j (exact - dequantized) to their channel (value_outliers). A
-// reassociation of the row path's sum: the same values, rounded otherwise.
+// segment (value_sums). The exact outliers add p_j (exact - dequantized) to their channel. A reassociation of the row
+// path's sum: the same values, rounded otherwise.
 //
 // Codes in lane order: 4-bit codes are widened 16 bytes at a time, low nibbles (even channels) then high (odd), so
 // the sums are kept in that order (code_lane) and put back in channel order at the end; 2 / 3 bits: channel order.
@@ -1171,26 +1172,35 @@ __attribute__((always_inline)) inline void sum_code_rows(const uint8_t* vc, int6
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(accq + g * DC + 16 * i, a[g][i]);
 }
 
+// A chunk's per-row scales / zeros of the nh KV heads from hk0 ([T, Hkv, ng] float16, ng groups a row) as float32
+// [nh * ng, T]: the chunk's block converted, then each head and group's column.
+inline void chunk_scales(const uint16_t* src16, int64_t T, int64_t Hkv, int64_t ng, int64_t hk0, int64_t nh,
+                       float* dst, Scratch& st) {
+  const int64_t n = T * Hkv * ng;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(st.vtmp.data() + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src16 + i))));
+  for (; i < n; ++i) st.vtmp[i] = half_to_float(src16[i]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i stride = _mm512_set1_epi32(static_cast<int32_t>(Hkv * ng));
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t j = 0; j < T; j += 16) {
+        const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j))), stride),
+                                            _mm512_set1_epi32(static_cast<int32_t>((hk0 + hh) * ng + g)));
+        _mm512_storeu_ps(dst + (hh * ng + g) * T + j, _mm512_i32gather_ps(at, st.vtmp.data(), 4));
+      }
+}
+
 // The value side of chunk id, KV head hk, before its rows are summed: its scales / zeros as float32 (st.vsc /
 // st.vzr [T]) and its value outliers as (row, channel, exact - dequantized) (st.vo_*).
 template <int BITS, int DC>
 void value_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, Scratch& st) {
   constexpr int NB = DC * BITS / 8, shift = __builtin_ctz(DC);
   const Rotated& rt = cp.rt;
-  const int64_t T = cp.rows, Hkv = sh.Hkv, n = T * Hkv;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int which = 0; which < 2; ++which) {  // scales, zeros: the chunk's [T, Hkv] block, then head hk's column
-    const uint16_t* src = (which ? cp.v_zero : cp.v_scale) + id * n;
-    float* dst = which ? st.vzr.data() : st.vsc.data();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(st.vtmp.data() + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-    for (; i < n; ++i) st.vtmp[i] = half_to_float(src[i]);
-    for (int64_t j = 0; j < T; j += 16)
-      _mm512_storeu_ps(dst + j, _mm512_i32gather_ps(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane,
-                                        _mm512_set1_epi32(static_cast<int32_t>(j))), _mm512_set1_epi32(static_cast<int32_t>(Hkv))),
-                                        _mm512_set1_epi32(static_cast<int32_t>(hk))), st.vtmp.data(), 4));
-  }
+  const int64_t T = cp.rows, Hkv = sh.Hkv;
+  chunk_scales(cp.v_scale + id * T * Hkv, T, Hkv, 1, hk, 1, st.vsc.data(), st);
+  chunk_scales(cp.v_zero + id * T * Hkv, T, Hkv, 1, hk, 1, st.vzr.data(), st);
   float lv[16];
   for (int e = 0; e < 16; ++e) lv[e] = st.vlv[e & (rt.num_levels - 1)];
   const __m512 lv16 = _mm512_loadu_ps(lv);
@@ -1310,16 +1320,22 @@ inline void fold_rescale(Scratch& st, int64_t g, float m_before, int64_t D, int6
   for (int64_t z = 0; z < nz; ++z) st.zsum[g * nz + z] *= alpha;
 }
 
+// The online softmax of query heads [0, nq) over a segment's cn scores in st.sg, and the value sums kept beside
+// acc (nz zeros' sums a head) rescaled with it.
+inline void scored_softmax(Scratch& st, int64_t nq, int64_t cn, int64_t D, int64_t nz) {
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float m0 = st.m[qi];
+    softmax_chunk(HeadState{nullptr, st.sg.data() + qi * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * D}, cn, D);
+    fold_rescale(st, qi, m0, D, nz);
+  }
+}
+
 // Rows [j, j + cn) of chunk id (within the chunk) on the key-score path, one softmax chunk: scores, the online
 // softmax of the G query heads (st.m / st.l / st.acc, and st.accq / st.zsum), the values' sums.
 template <int BITS, int DC>
 void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t j, int64_t cn, int64_t hk, Scratch& st) {
   key_scores<BITS, DC>(cp, sh, id, j, j + cn, hk, st);
-  for (int64_t g = 0; g < sh.G; ++g) {
-    const float m0 = st.m[g];
-    softmax_chunk(HeadState{nullptr, st.sg.data() + g * CHUNK, &st.m[g], &st.l[g], st.acc.data() + g * DC}, cn, DC);
-    fold_rescale(st, g, m0, DC, 1);
-  }
+  scored_softmax(st, sh.G, cn, DC, 1);
   value_sums<BITS, DC>(cp, sh, id, j, j + cn, hk, st.acc.data(), st);
 }
 
@@ -1339,35 +1355,16 @@ inline void scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64
 // and query head. H's scaling is on the query. Values stay in the rotated basis (as the row path with
 // float32 rows): sum p (code * scale + zero) = sum (p scale) code + sum p zero per scale group, transformed back once.
 
-// The chunk's scales / zeros of the item's nh KV heads from hk0 ([T, Hkv, ng] float16) as float32 [nh * ng, T].
-inline void rkv_scales(const uint16_t* src16, int64_t T, int64_t Hkv, int64_t ng, int64_t hk0, int64_t nh,
-                       float* dst, Scratch& st) {
-  const int64_t n = T * Hkv * ng;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(st.vtmp.data() + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src16 + i))));
-  for (; i < n; ++i) st.vtmp[i] = half_to_float(src16[i]);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i stride = _mm512_set1_epi32(static_cast<int32_t>(Hkv * ng));
-  for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t j = 0; j < T; j += 16) {
-        const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j))), stride),
-                                            _mm512_set1_epi32(static_cast<int32_t>((hk0 + hh) * ng + g)));
-        _mm512_storeu_ps(dst + (hh * ng + g) * T + j, _mm512_i32gather_ps(at, st.vtmp.data(), 4));
-      }
-}
-
 // Chunk id's keys and values of the nh KV heads from hk0, before its rows: scales / zeros, and the QH = nh G scaled
-// queries (st.qf) rotated back by the chunk's first position and times H's scaling.
+// queries (st.qf) times H's scaling.
 template <int DC>
 void rkv_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk0, int64_t nh, Scratch& st) {
   const Rotated& rt = cp.rt;
   const int64_t T = cp.rows, ng = DC / rt.group, blk = T * sh.Hkv * ng;
-  rkv_scales(cp.k_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.ksc.data(), st);
-  rkv_scales(cp.k_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.kzr.data(), st);
-  rkv_scales(cp.v_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.vsc.data(), st);
-  rkv_scales(cp.v_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.vzr.data(), st);
+  chunk_scales(cp.k_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.ksc.data(), st);
+  chunk_scales(cp.k_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.kzr.data(), st);
+  chunk_scales(cp.v_scale + id * blk, T, sh.Hkv, ng, hk0, nh, st.vsc.data(), st);
+  chunk_scales(cp.v_zero + id * blk, T, sh.Hkv, ng, hk0, nh, st.vzr.data(), st);
   const __m512 f = _mm512_set1_ps(fwht_scale(nh * DC));
   for (int64_t qi = 0; qi < nh * sh.G; ++qi)
     for (int i = 0; i < DC; i += 16)
@@ -1492,12 +1489,7 @@ void rkv_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t 
                      Scratch& st) {
   if (j == 0) rkv_chunk<DC>(cp, sh, id, hk0, NHK, st);
   rkv_scores_rows<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, st);
-  const int64_t ng = DC / cp.rt.group;
-  for (int64_t qi = 0; qi < NHK * G; ++qi) {
-    const float m0 = st.m[qi];
-    softmax_chunk(HeadState{nullptr, st.sg.data() + qi * CHUNK, &st.m[qi], &st.l[qi], st.acc.data() + qi * DC}, cn, DC);
-    fold_rescale(st, qi, m0, DC, ng);
-  }
+  scored_softmax(st, NHK * G, cn, DC, DC / cp.rt.group);
   minmax_value_sums<BITS, DC, NHK, G>(cp, sh, id, j, j + cn, hk0, cp.rt.group, st);
 }
 
@@ -1589,8 +1581,8 @@ void kivi_chunk(const Compressed& cp, const Shape& sh, int64_t id, int64_t hk, S
     }
   }
   const int64_t blk = T * sh.Hkv * ngv;
-  rkv_scales(cp.v_scale + id * blk, T, sh.Hkv, ngv, hk, 1, st.vsc.data(), st);
-  rkv_scales(cp.v_zero + id * blk, T, sh.Hkv, ngv, hk, 1, st.vzr.data(), st);
+  chunk_scales(cp.v_scale + id * blk, T, sh.Hkv, ngv, hk, 1, st.vsc.data(), st);
+  chunk_scales(cp.v_zero + id * blk, T, sh.Hkv, ngv, hk, 1, st.vzr.data(), st);
 }
 
 template <int BITS, int DC, int G>
@@ -1600,11 +1592,7 @@ void kivi_scored_rows(const Compressed& cp, const Shape& sh, int64_t id, int64_t
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) kivi_scores_rows<BITS, DC, 2>(cp, sh, id, j, j + cn, hk, g, st);
   if (g < G) kivi_scores_rows<BITS, DC, 1>(cp, sh, id, j, j + cn, hk, g, st);
-  for (g = 0; g < G; ++g) {
-    const float m0 = st.m[g];
-    softmax_chunk(HeadState{nullptr, st.sg.data() + g * CHUNK, &st.m[g], &st.l[g], st.acc.data() + g * DC}, cn, DC);
-    fold_rescale(st, g, m0, DC, DC / cp.value_group);
-  }
+  scored_softmax(st, G, cn, DC, DC / cp.value_group);
   minmax_value_sums<BITS, DC, 1, G>(cp, sh, id, j, j + cn, hk, cp.value_group, st);
 }
 
@@ -1857,16 +1845,6 @@ void compressed_row(const Compressed& cp, const Shape& sh, int64_t id, int64_t j
   }
 }
 
-// The G query heads of each of the KV heads hk0 .. hk0 + nh - 1 of request b over its keys, CHUNK at a time
-// (nh > 1: one rotatekv Hadamard group, whose key rows are transformed together). Query head
-// qi = hh * G + g of the item reads KV head hk0 + hh; its arithmetic does not depend on nh.
-// Dequantized rows are rounded to TO (cp.round_to).
-//
-// rotatekv with float32 rows: the transform back of its value rows is linear, so it is applied once to
-// the weighted sum of the compressed rows' values (per query head, after the last compressed row: the
-// 64-key chunks stop there) instead of to every row; the tail and draft rows come after, in their own
-// basis. The result equals attention over decompress()'s rows to float32 rounding (not bitwise: the sum is
-// rounded in the other basis); a single key is still its row bitwise (its weight is exactly 1).
 // The compressed rows of request b on the key-score path (a function of its own: inlined into attend_item's row
 // loop it slowed the other kinds' by ~10%): a chunk's rows CHUNK at most at a time, the values' sums into acc at
 // the end (rotatekv: and back from its basis).
@@ -1894,6 +1872,16 @@ __attribute__((noinline)) void scored_item(const Compressed& cp, const Shape& sh
   for (int64_t qi = 0; cp.kind == ROTATEKV && qi < QH; ++qi) fwht_blocks<F32>(st.acc.data() + qi * Dv, Dv, cp.rt.block);
 }
 
+// The G query heads of each of the KV heads hk0 .. hk0 + nh - 1 of request b over its keys, CHUNK at a time
+// (nh > 1: one rotatekv Hadamard group, whose key rows are transformed together). Query head
+// qi = hh * G + g of the item reads KV head hk0 + hh; its arithmetic does not depend on nh.
+// Dequantized rows are rounded to TO (cp.round_to).
+//
+// rotatekv with float32 rows: the transform back of its value rows is linear, so it is applied once to
+// the weighted sum of the compressed rows' values (per query head, after the last compressed row: the
+// 64-key chunks stop there) instead of to every row; the tail and draft rows come after, in their own
+// basis. The result equals attention over decompress()'s rows to float32 rounding (not bitwise: the sum is
+// rounded in the other basis); a single key is still its row bitwise (its weight is exactly 1).
 template <Elem TO>  // not inlined into the parallel loop: inlined, its row loop compiled ~10% slower
 __attribute__((noinline)) void attend_item(const float* q, const Compressed& cp, const Part& tail, const Part& draft,
                                            const Shape& sh, float scale, int64_t b, int64_t hk0, int64_t nh,
@@ -1904,7 +1892,7 @@ __attribute__((noinline)) void attend_item(const float* q, const Compressed& cp,
   const int64_t* ids = cp.ids + b * cp.width;
   const int64_t* tail_slots = tail.index + b * tail.width;
   const int64_t* draft_slots = draft.lens ? draft.index + b * draft.width : nullptr;
-  const bool scored = key_scores_apply(cp, sh) && key_scores_request(cp, b);  // kvquant_key_scores' path
+  const bool scored = key_scores_apply(cp, sh) && key_scores_request(cp, b);  // scored_item takes its compressed rows
   for (int64_t qi = 0; qi < QH; ++qi) {
     const float* qr = q + (b * sh.H + hk0 * G + qi) * D;
     for (int64_t d = 0; d < D; ++d) st.qf[qi * D + d] = qr[d] * scale;
