@@ -55,21 +55,24 @@ def test_fused_kernel_drafts_and_output_equals_deterministic_full_mode(llama, fu
 
 @pytest.fixture(scope="module")
 def bundled_full():
-    return run(default_model_path(), "bfloat16", page_size=16)[0]
+    return {dtype: run(default_model_path(), dtype, page_size=16)[0] for dtype in ("bfloat16", "float32")}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("compressor", ["kvquant4", "rotatekv4", "kivi4"])
-def test_keys_scored_from_codes_and_output_equals_deterministic_full_mode(bundled_full, compressor, monkeypatch):
-    """The bundled model (head dim 64) with pages of 16: under AVX-512 the kernel scores these tiers' keys from their
-    codes (kvquant_key_scores / rotatekv_key_scores / kivi_key_scores; elsewhere its row path); VeriCache's tokens and
-    logprobs are still deterministic full mode's bitwise, in bfloat16."""
+def test_keys_scored_from_codes_and_output_equals_deterministic_full_mode(bundled_full, compressor, dtype,
+                                                                          monkeypatch):
+    """The bundled model (head dim 64) with pages of 16, a mixed batch (prompts of 40, 71, 9 and 33 tokens): under
+    AVX-512 the kernel scores these tiers' keys from their codes (kvquant_key_scores / rotatekv_key_scores /
+    kivi_key_scores; elsewhere its row path); VeriCache's tokens and logprobs are still deterministic full mode's
+    bitwise, in bfloat16 and float32."""
     import sgl_kernel_ext.cpu_draft_attention as cda
 
     calls, kernel = [], cda.draft_decode_attention
     monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(1) or kernel(*a))
-    vc, sched = run(default_model_path(), "bfloat16", page_size=16, kv_compressor=compressor, kv_compression_ratio=2,
+    vc, sched = run(default_model_path(), dtype, page_size=16, kv_compressor=compressor, kv_compression_ratio=2,
                     speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4", vericache_schedule="lockstep")
-    assert [r.output_ids for r in vc] == [r.output_ids for r in bundled_full]
-    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in bundled_full]
+    assert [r.output_ids for r in vc] == [r.output_ids for r in bundled_full[dtype]]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in bundled_full[dtype]]
     assert sched.metrics.spec_rounds_total > 0
     assert calls
