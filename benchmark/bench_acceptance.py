@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from common import RESULTS, code_prompts, first_divergence, machine, merge_rows, run_mode, write_results
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 # The paper's same-model drafter, on its models and compressors (Mistral-24B, Qwen-32B, Llama-70B).
 PAPER_TOKENS_PER_ROUND = "25-40"
@@ -59,7 +59,7 @@ def step_ratio(vc_metrics: dict, full_metrics: dict) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES), help="Compressors to run.")
     p.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="Compression ratios.")
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[8, 16, 30], help="Draft lengths X.")

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request
 
 
@@ -60,7 +60,7 @@ def decode_tokens_per_s(sched: Scheduler, batch: int, input_len: int, output_len
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--dtype", default="auto", help="Model dtype.")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="Batch sizes to measure.")
     p.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")

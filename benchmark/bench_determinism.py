@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from common import machine, run_mode, write_results
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 # A Llama shape of ~0.3B parameters (20 layers, hidden 1024, GQA 16/8), weights drawn at load.
 LLAMA_300M = {
@@ -65,7 +65,7 @@ def main() -> None:
     a = p.parse_args()
 
     # (name, path, dtype, load format, vocab, requests, input len, output len)
-    tiny = (default_model_path(), a.requests, a.input_len, a.output_len)
+    tiny = (bundled_model_path(), a.requests, a.input_len, a.output_len)
     if a.skip_300m and a.only_300m:
         p.error("--skip-300m and --only-300m leave nothing to run")
     models = [] if a.only_300m else [("vericache-code-tiny", tiny[0], "bfloat16", "auto", 4000, *tiny[1:]),

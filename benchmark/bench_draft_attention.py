@@ -40,7 +40,7 @@ from common import machine, write_results
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.model_executor.forward_batch import ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing import make_random_checkpoint
 from sglang_vericache.testing.draft_batches import (
     DraftPool,
@@ -126,7 +126,7 @@ def run_setting(args, dtype: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     bs, ctx, ps = args.batch, args.context, args.page_size
     path = args.model_path or make_random_checkpoint("llama", tempfile.mkdtemp(prefix="bench-draft-"), **MODEL)
-    path = default_model_path() if path == "bundled" else path
+    path = bundled_model_path() if path == "bundled" else path
     total = (bs * 2 * (ctx + args.steps * args.repeats + ps) // ps + 4) * ps
     runner = ModelRunner(ServerArgs(model_path=path, dtype=dtype, page_size=ps, max_total_tokens=total,
                                     max_running_requests=2 * bs, num_threads=threads))

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from common import code_prompts, machine, write_results
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 MODES = {
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96, help="Greedy output tokens per prompt.")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="Model dtypes.")
     a = p.parse_args()
-    path = default_model_path()
+    path = bundled_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     # up to 3 functions per held-out file: one per file gives only 14 prompts
     pool = [c.ids for c in code_prompts(tok, a.prompts + 8, 24, 400, per_file=3)]

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from common import machine, run_mode, write_results
 from sglang_vericache.layers.half_gemm import cpu_has_native
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 SHAPES = ((512, 256), (256, 256), (1536, 256), (256, 768), (6144, 256))  # (out, in): qkv, o, gate_up, down, lm_head
 ROWS = (1, 3, 16, 64, 512)
@@ -77,7 +77,7 @@ def model_rows(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--num-requests", type=int, default=4, help="Requests of the end-to-end runs.")
     p.add_argument("--input-len", type=int, default=1024, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=64, help="New tokens per request in the decode runs.")

@@ -38,7 +38,7 @@ from sglang_vericache.compress.registry import COMPRESSOR_NAMES, get_compressor
 from sglang_vericache.mem_cache import two_tier
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 
 def time_compression() -> dict:
@@ -58,7 +58,7 @@ def time_compression() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES), help="Compressors to run.")
     p.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="Compression ratios.")
     p.add_argument("--num-prompts", type=int, default=16, help="Code prompts (held-out stdlib functions).")

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from common import RESULTS, heldout_files, machine, time_forwards, write_results
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_config import ModelConfig
-from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
+from sglang_vericache.server_args import ServerArgs, bundled_model_path, parse_bytes
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 
@@ -145,7 +145,7 @@ def plot_timeline(runs: dict[str, dict], path, seconds: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--num-requests", type=int, default=16, help="Requests, all submitted at once.")
     p.add_argument("--input-len", type=int, default=1600, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=None,

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from common import code_prompts, machine, run_mode, write_results
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 DECODE_MODES = ("DECODE", "DRAFT_DECODE", "TARGET_VERIFY", "MIXED")
 
@@ -56,7 +56,7 @@ def measure(args, ids, repeats: int, **mode) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "kivi4"], help="Compressors to draft over.")
     p.add_argument("--ratio", type=float, default=4.0, help="Compression ratio of token-dropping compressors.")
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[16], help="Draft lengths X.")

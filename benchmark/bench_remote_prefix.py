@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 
 from common import RESULTS, heldout_files, machine, write_results
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path, parse_bytes
+from sglang_vericache.server_args import ServerArgs, bundled_model_path, parse_bytes
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 MODES = ("full-recompute", "full-slow-store", "vericache")
@@ -159,7 +159,7 @@ def run_mode(args, name: str, prompts, store: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--docs", type=int, default=8, help="Stored documents (shared prefixes).")
     p.add_argument("--doc-len", type=int, default=1536, help="Tokens per document.")
     p.add_argument("--questions", type=int, default=2, help="Requests per document.")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from common import machine, write_results
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, random_prompts, run_to_completion
 
 POLICIES = ("fcfs", "lpm")
@@ -95,7 +95,7 @@ def table(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Model folder (default: bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Model folder (default: bundled model).")
     p.add_argument("--dtype", default="float32", help="Model dtype.")
     p.add_argument("--groups", type=int, default=8, help="Groups of requests that share a prefix.")
     p.add_argument("--per-group", type=int, default=6, help="Requests per group.")

@@ -343,11 +343,11 @@ def summarize(cases: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from common import machine
-    from sglang_vericache.server_args import default_model_path
+    from sglang_vericache.server_args import bundled_model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--model-path", default=default_model_path(), help="The bundled model (bench_long_context's)."
+        "--model-path", default=bundled_model_path(), help="The bundled model (bench_long_context's)."
     )
     p.add_argument(
         "--replay-only", action="store_true", help="Reuse the profile in --out; skip measuring and fitting."

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,7 +39,7 @@ def machine(threads: bool = True) -> str:
 # ---------------------------------------------------------------- prompts
 
 
-def heldout_files(model_path: str = default_model_path()) -> list[Path]:
+def heldout_files(model_path: str = bundled_model_path()) -> list[Path]:
     """The bundled model's held-out stdlib files (its corpus manifest), as found on this machine."""
     manifest = json.loads((Path(model_path) / "corpus_manifest.json").read_text())
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -54,7 +54,7 @@ class CodePrompt:
 
 
 def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
-                 model_path: str = default_model_path(), per_file: int = 1) -> list[CodePrompt]:
+                 model_path: str = bundled_model_path(), per_file: int = 1) -> list[CodePrompt]:
     """n prompts of [min_tokens, max_tokens] tokens: the source of a held-out file up to and
     including one of its function headers (signature + docstring), so the model writes the body.
     Up to per_file prompts per file (its first such functions), files in manifest order: deterministic."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 PROMPTS = [
@@ -22,12 +22,12 @@ NEW = 48
 def tokenized():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok = AutoTokenizer.from_pretrained(bundled_model_path())
     return [tok(p).input_ids for p in PROMPTS]
 
 
 def engine(**server) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=default_model_path(), dtype="float32", skip_tokenizer_init=True,
+    return Scheduler(ServerArgs(model_path=bundled_model_path(), dtype="float32", skip_tokenizer_init=True,
                                 page_size=16, **server))
 
 
@@ -41,7 +41,7 @@ def greedy(sched: Scheduler, prompts: list[list[int]]) -> list[list[int]]:
 def test_engine_matches_transformers_greedy(tokenized):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     want = []
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import sglang as sgl
 from sglang.test import test_programs as tp
 
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 MODES = {
     "full": (),
@@ -30,7 +30,7 @@ class ServerRuntime:
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def backend(request, server):
-    runtime = ServerRuntime(server(default_model_path(), *MODES[request.param]).base_url)
+    runtime = ServerRuntime(server(bundled_model_path(), *MODES[request.param]).base_url)
     sgl.set_default_backend(runtime)
     yield runtime.endpoint
     sgl.set_default_backend(None)

@@ -12,7 +12,7 @@ import torch
 
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.random_checkpoints import FAMILIES, make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, outputs_alone_or_among, run_to_completion
 
@@ -134,7 +134,7 @@ def test_vericache_equals_deterministic_full_in_bfloat16(checkpoints, qwen2_full
 
 def test_bundled_model_vericache_equals_full_in_bfloat16():
     """The server's default model and dtype: 8 prompts among a crowd, snapkv and int8, over a 1 GB/s link."""
-    path = default_model_path()
+    path = bundled_model_path()
     prompts = random_prompts([12, 50, 90, 160, 7, 33, 120, 64], seed=4, vocab=4000)
     full = outputs(scheduler(path, "bfloat16", page_size=16), prompts, crowd=crowd(8))
     assert_identical(full, outputs(scheduler(path, "bfloat16", page_size=16), prompts, alone=True), "alone")

@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 pytestmark = pytest.mark.slow
 NEW = 24
@@ -67,7 +67,7 @@ def under_load(url, prompts):
 
 @pytest.fixture(scope="module")
 def full_server(server):
-    return server(default_model_path(), "--dtype", "bfloat16", "--enable-deterministic-inference")
+    return server(bundled_model_path(), "--dtype", "bfloat16", "--enable-deterministic-inference")
 
 
 def test_full_mode_alone_equals_under_load_with_aborts_and_bad_input(full_server):
@@ -79,7 +79,7 @@ def test_full_mode_alone_equals_under_load_with_aborts_and_bad_input(full_server
 
 
 def test_vericache_server_equals_deterministic_full_server(server, full_server):
-    vc = server(default_model_path(), "--dtype", "bfloat16", "--kv-compressor", "snapkv",
+    vc = server(bundled_model_path(), "--dtype", "bfloat16", "--kv-compressor", "snapkv",
                 "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4")
     assert requests.get(vc.base_url + "/server_info", timeout=10).json()["enable_deterministic_inference"] is True
     assert under_load(vc.base_url, targets()) == [generate(full_server.base_url, p) for p in targets()]

@@ -14,9 +14,9 @@ from sglang_vericache import launch_server
 from sglang_vericache.dp import controller as controller_mod
 from sglang_vericache.dp.replica import replica_args, replica_env
 from sglang_vericache.dp.router_flags import strip_router_flags
-from sglang_vericache.server_args import default_model_path, parse_launch_args
+from sglang_vericache.server_args import bundled_model_path, parse_launch_args
 
-MODEL = default_model_path()
+MODEL = bundled_model_path()
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:

@@ -14,7 +14,7 @@ import torch
 
 from sglang_vericache.model_executor.forward_batch import DraftContext, ForwardMode
 from sglang_vericache.model_executor.model_runner import ModelRunner
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing import make_random_checkpoint
 from sglang_vericache.testing.draft_batches import (
     DraftPool,
@@ -329,7 +329,7 @@ def test_fused_kernel_scores_keys_from_codes_in_the_bundled_model(compressor):
     (kvquant_key_scores / rotatekv_key_scores / kivi_key_scores; elsewhere its row path): the draft logits of a
     mixed batch (1-4 compressed pages, tails, previous drafts) as the torch path's, the same argmax."""
     page = 16
-    runner = ModelRunner(ServerArgs(model_path=default_model_path(), dtype="float32", page_size=page,
+    runner = ModelRunner(ServerArgs(model_path=bundled_model_path(), dtype="float32", page_size=page,
                                     max_total_tokens=2048, max_running_requests=8))
     lens = [(40, 2), (17, 0), (70, 1)]  # (committed tokens, previous drafts)
     seqs = [tokens(n + j, seed=90 + i) for i, (n, j) in enumerate(lens)]

@@ -11,7 +11,7 @@ import torch
 from sglang_vericache.compress import CompressorConfig
 from sglang_vericache.compress.kvzap import SURROGATE_FILE, KVzapCompressor, KVzapSurrogate
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 NEW = 12
@@ -59,7 +59,7 @@ def test_a_checkpoint_without_a_surrogate_is_refused_with_the_recipe(tmp_path):
 
 def run(**server):
     """Request 0 greedy, request 1 seeded, in one batch."""
-    sched = Scheduler(ServerArgs(model_path=default_model_path(), dtype="bfloat16", page_size=16,
+    sched = Scheduler(ServerArgs(model_path=bundled_model_path(), dtype="bfloat16", page_size=16,
                                  enable_deterministic_inference=True, **server))
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (41, 50)]

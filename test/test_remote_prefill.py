@@ -242,9 +242,9 @@ def test_http_drafter_with_remote_prefill_serves_full_mode_text(tmp_path, server
     """launch_server end to end: a verifier process and an HTTP drafter with --disagg-prefill
     verifier answer /generate (plain and streamed) with full mode's tokens; the second prompt on
     the same document drafts over the document's cached compressed pages."""
-    from sglang_vericache.server_args import default_model_path
+    from sglang_vericache.server_args import bundled_model_path
 
-    model, store = default_model_path(), str(tmp_path / "store")
+    model, store = bundled_model_path(), str(tmp_path / "store")
     port = free_port()
     verifier_proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_vericache.launch_server", "--model-path", model, "--dtype", "float32",

@@ -33,14 +33,14 @@ import psutil
 import pytest
 import requests
 
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 pytest.importorskip("sglang_router")
 
 START_TIMEOUT_S = 180
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPT = "def f(x):\n    return"
-MODEL = default_model_path()
+MODEL = bundled_model_path()
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
@@ -55,7 +55,7 @@ def test_fused_kernel_drafts_and_output_equals_deterministic_full_mode(llama, fu
 
 @pytest.fixture(scope="module")
 def bundled_full():
-    return {dtype: run(default_model_path(), dtype, page_size=16)[0] for dtype in ("bfloat16", "float32")}
+    return {dtype: run(bundled_model_path(), dtype, page_size=16)[0] for dtype in ("bfloat16", "float32")}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -70,7 +70,7 @@ def test_keys_scored_from_codes_and_output_equals_deterministic_full_mode(bundle
 
     calls, kernel = [], cda.draft_decode_attention
     monkeypatch.setattr(cda, "draft_decode_attention", lambda *a: calls.append(1) or kernel(*a))
-    vc, sched = run(default_model_path(), dtype, page_size=16, kv_compressor=compressor, kv_compression_ratio=2,
+    vc, sched = run(bundled_model_path(), dtype, page_size=16, kv_compressor=compressor, kv_compression_ratio=2,
                     speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4", vericache_schedule="lockstep")
     assert [r.output_ids for r in vc] == [r.output_ids for r in bundled_full[dtype]]
     assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in bundled_full[dtype]]

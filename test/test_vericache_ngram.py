@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.speculative.ngram import NgramConfig, NgramIndex
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
@@ -208,7 +208,7 @@ def test_fewer_draft_forwards_per_token_on_a_repetitive_code_prompt():
     tokens, in 22 draft forwards instead of 53."""
     from transformers import AutoTokenizer
 
-    path = default_model_path()
+    path = bundled_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     names = ["pack", "grid", "place", "lift", "lower", "bind"]
     prompt = tok("".join(f"        self.tk.call(self._w, '{n}')\n" for n in names) + "        self.tk.call(").input_ids

@@ -21,10 +21,14 @@ from sglang_vericache.dp.router_flags import (
     router_installed,
 )
 from sglang_vericache.server_args import ServerArgs, parse_launch_args
+from sglang_vericache.utils.default_model import missing_default_model_error
 
 
 def model_folder_error(server_args: ServerArgs) -> str | None:
     path = server_args.model_path
+    missing_default = missing_default_model_error(path)
+    if missing_default:
+        return missing_default
     if not os.path.isdir(path):
         return f"model folder not found: {path} (--model-path must be a local Hugging Face model folder)"
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from sglang_vericache.compressor_names import KV_COMPRESSORS  # noqa: F401 (re-exported)
+from sglang_vericache.utils.default_model import default_model_path
 from sglang_vericache.server_args_checks import (  # noqa: F401 (re-exported: the allowed values and their parsers)
     DEFAULT_KV_COMPRESSION_RATIO,
     DISAGG_PREFILLS,
@@ -27,8 +28,8 @@ from sglang_vericache.server_args_checks import (  # noqa: F401 (re-exported: th
 DEFAULT_CUDA_WATCHDOG_S = 300.0  # SGLang's default
 
 
-def default_model_path() -> str:
-    """The bundled code model that ships inside the package."""
+def bundled_model_path() -> str:
+    """The bundled code model that ships inside the package (the tests' fast model)."""
     return os.path.join(os.path.dirname(__file__), "assets", "vericache-code-tiny")
 
 

@@ -24,7 +24,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model-path", type=str, default=None,
         help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
-             "Default: the bundled code model.")
+             "Default: SmolLM2-135M-Instruct, fetched by scripts/setup_cpu.sh into ~/.cache/sglang_vericache.")
     add("--tokenizer-path", type=str, default=None, help="Tokenizer folder (default: --model-path).")
     add("--load-format", type=str, default=d["load_format"].default,
         choices=("auto", "safetensors", "dummy"),

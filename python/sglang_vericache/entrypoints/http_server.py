@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from sglang_vericache.entrypoints import admin_routes
 from sglang_vericache.entrypoints.http_common import native_error, read_json, set_tokenizer_manager, tm
 from sglang_vericache.entrypoints.openai import http_routes as openai_routes
+from sglang_vericache.entrypoints.openai.tool_parser_detect import detect_tool_call_parser
 from sglang_vericache.entrypoints.openai.utils import SSE_DONE, json_response, openai_error
 from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.managers.tokenizer_manager import GenerateError, TokenizerManager
@@ -178,6 +179,12 @@ def launch_server(server_args, tokenizer_manager: TokenizerManager | None = None
 
     manager = tokenizer_manager or TokenizerManager(server_args)
     set_tokenizer_manager(manager)
+    if manager.server_args.tool_call_parser is None and manager.tokenizer is not None:
+        parser = detect_tool_call_parser(getattr(manager.tokenizer, "chat_template", None))
+        if parser:
+            manager.server_args.tool_call_parser = parser
+            logger.info("tool calls: the chat template writes %s's format (tool_choice 'auto' parses it; "
+                        "--tool-call-parser overrides)", parser)
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,

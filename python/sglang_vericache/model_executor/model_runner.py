@@ -42,6 +42,7 @@ class ModelRunner:
         self.capture_hidden = False  # kvzap's two-tier sets it: captured_q holds attention inputs
         self.model = load_model(
             self.model_config, self.device, server_args.load_format, server_args.random_seed)
+        logger.info("serving %s", describe_model(self.model_config, self.model, server_args))
         self.half_gemm_float32 = self.init_half_gemm()
         self.batch_invariant_mode = self.init_deterministic_inference()
         self.init_memory_pool()
@@ -108,14 +109,20 @@ class ModelRunner:
         if args.mem_fraction_static is not None:
             self.static_kv_bytes = static_kv_bytes(args.mem_fraction_static, *_memory(self.device))
         if args.max_total_tokens is not None:
-            max_tokens = args.max_total_tokens
+            max_tokens, why = args.max_total_tokens, "--max-total-tokens"
         elif exact_budget is not None:
             max_tokens = parse_bytes(exact_budget) // bytes_per_token
+            why = f"--{'device' if on_device else 'host'}-kv-budget {exact_budget}"
         elif on_device and self.static_kv_bytes is not None:
             max_tokens = self.static_kv_bytes // bytes_per_token
+            why = f"--mem-fraction-static {args.mem_fraction_static}: what it leaves after the weights"
         else:
-            budget = int(_memory(self.device)[1] * DEFAULT_MEM_FRACTION)
+            available = _memory(self.device)[1]
+            budget = int(available * DEFAULT_MEM_FRACTION)
             max_tokens = min(DEFAULT_MAX_TOTAL_TOKENS, budget // bytes_per_token)
+            why = (f"{DEFAULT_MEM_FRACTION:.0%} of the {available / 2**30:.1f} GiB available"
+                   + (f", capped at {DEFAULT_MAX_TOTAL_TOKENS} tokens" if max_tokens == DEFAULT_MAX_TOTAL_TOKENS else "")
+                   + "; set --max-total-tokens or --mem-fraction-static to change it")
         self.exact_bytes_per_token = bytes_per_token
         max_tokens = get_tp_group().min_over_ranks(max_tokens)  # free memory differs between ranks
         num_pages = max_tokens // ps
@@ -134,9 +141,10 @@ class ModelRunner:
             pin_memory=host_pool and self.device.startswith("cuda"),
         )
         logger.info(
-            "KV pool: %d tokens (%d pages of %d), %.1f MiB%s",
+            "KV pool: %d tokens (%d pages of %d), %.1f MiB%s, %d bytes a token (%s): %s",
             self.max_total_num_tokens, num_pages, ps, self.max_total_num_tokens * bytes_per_token / 2**20,
-            " in host memory" if host_pool else "",
+            " in host memory" if host_pool else "", bytes_per_token, "exact KV" if on_device else
+            "the exact tier", why,
         )
         # --exact-kv-pool host: forwards read and write exact KV through the accelerator's page cache.
         self.exact_cache: DevicePageCache | None = None
@@ -256,3 +264,21 @@ def static_kv_bytes(fraction: float, total: int, available: int) -> int:
             f"{total / gib:.1f} GiB is in use after loading the weights; raise the fraction (or set "
             "--max-total-tokens)")
     return rest
+
+
+def describe_model(cfg: ModelConfig, model: torch.nn.Module, args: ServerArgs) -> str:
+    """One line on what is served: model, architecture, parameters, context, dtype, KV mode."""
+    import os
+
+    params = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once
+    name = os.path.basename(os.path.normpath(cfg.model_path))
+    from sglang_vericache.server_args import QUANTIZING_COMPRESSORS
+
+    mode = args.kv_mode
+    if args.kv_compressor:
+        ratio = "" if args.kv_compressor in QUANTIZING_COMPRESSORS else f" {args.kv_compression_ratio:g}x"
+        mode += f" ({args.kv_compressor}{ratio})"
+    return (f"{name}: {cfg.architecture}, {params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, "
+            f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of {cfg.head_dim}, "
+            f"context {cfg.context_len}, {str(cfg.dtype).removeprefix('torch.')}, KV mode {mode}"
+            + (f", tp {cfg.tp_size}" if cfg.tp_size > 1 else ""))

@@ -46,8 +46,10 @@ def tools_in_use(req, parser_name: str | None, supports_grammar: bool) -> ToolPl
     if not forced:
         if not parser_name:
             raise InvalidRequest(
-                "tool_choice 'auto' needs a server started with --tool-call-parser "
-                "(SGLang's names: qwen25, llama3, mistral, pythonic, hermes, ...)"
+                "tool_choice 'auto' needs a tool-call parser, and the served model's chat template writes no "
+                "tool-call format this server recognizes: start it with --tool-call-parser NAME (SGLang's "
+                "names: qwen25, llama3, mistral, pythonic, hermes, ...), or send tool_choice 'required' or a "
+                "named function, which need no parser"
             )
         return ToolPlan(req.tools)
     if not supports_grammar:
