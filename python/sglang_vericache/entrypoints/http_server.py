@@ -2,7 +2,7 @@
 endpoints, and the launcher; the admin endpoints (admin_routes.py) and the OpenAI-compatible ones
 (openai/http_routes.py) are mounted as routers.
 
-The contract is /work/shared/design/SGLANG_API.md (read off SGLang 0.5.23). Native errors are
+The contract is docs/SGLANG_API.md (read off SGLang 0.5.23). Native errors are
 `{"error": {"message": ...}}`; OpenAI errors use SGLang's ErrorResponse shape. Bad input is a 4xx.
 """
 

@@ -2,7 +2,7 @@
 
 It tokenizes and checks requests, starts the Scheduler process and talks to it over ZMQ (typed
 io_struct messages), detokenizes incrementally, and turns scheduler outputs into SGLang's response
-dicts (see /work/shared/design/SGLANG_API.md). All of its state lives on one asyncio event loop.
+dicts (see docs/SGLANG_API.md). All of its state lives on one asyncio event loop.
 """
 
 from __future__ import annotations
