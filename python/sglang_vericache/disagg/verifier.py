@@ -39,11 +39,12 @@ from sglang_vericache.disagg.messages import (
     OpenSession,
     Pong,
     PrefillResult,
+    TO_VERIFIER,
     Refused,
     VerifyResult,
     VerifyRun,
 )
-from sglang_vericache.disagg.wire import TO_VERIFIER, Codec, DropLog, VersionMismatch, WireError
+from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.scheduler import Scheduler

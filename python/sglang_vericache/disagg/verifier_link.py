@@ -8,8 +8,8 @@ import time
 
 import zmq
 
-from sglang_vericache.disagg.messages import Hello, Refused
-from sglang_vericache.disagg.wire import TO_DRAFTER, Codec, DropLog, VersionMismatch, WireError
+from sglang_vericache.disagg.messages import TO_DRAFTER, Hello, Refused
+from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,12 @@ import hashlib
 import hmac
 import logging
 import math
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 import torch
 
 from sglang_vericache.disagg import messages as m
-from sglang_vericache.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +46,6 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
 
-U63 = Annotated[int, msgspec.Meta(ge=0)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Meta = dict[Text, Union[str, int, float, bool, None]]
-TopPairs = list[tuple[float, int]]
-
 
 class WireError(ValueError):
     """A frame this side refuses (it is dropped, never acted on)."""
@@ -65,93 +58,10 @@ class VersionMismatch(WireError):
 
 
 class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What a header holds for a tensor field: [dtype name, shape]; its bytes are the next frame."""
+
     dtype: str
     shape: list[Annotated[int, msgspec.Meta(ge=0)]]
-
-
-class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
-    pass
-
-
-# One struct per message of messages.py, field for field (a test keeps the two equal); tensors as specs.
-
-
-class Hello(_Msg, tag="Hello"):
-    drafter_id: Text
-    epoch: U63 = 0
-
-
-class OpenSession(_Msg, tag="OpenSession"):
-    rid: Text
-    input_ids: list[TokenId]
-    sampling_params: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)] = 0
-    epoch: U63 = 0
-    kv_from: U63 | None = None
-    logprob_start_len: Annotated[int, msgspec.Meta(ge=-1)] = -1
-
-
-class VerifyRun(_Msg, tag="VerifyRun"):
-    rid: Text
-    round_id: U63
-    output_len: U63
-    tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
-    epoch: U63 = 0
-
-
-class CloseSession(_Msg, tag="CloseSession"):
-    rid: Text
-    epoch: U63 = 0
-
-
-class Pong(_Msg, tag="Pong"):
-    epoch: U63
-    num_sessions: U63 = 0
-
-
-class Refused(_Msg, tag="Refused"):
-    epoch: U63
-    error: str
-
-
-class PrefillResult(_Msg, tag="PrefillResult"):
-    rid: Text
-    epoch: U63
-    token: int
-    logprob: float | None = None
-    top_logprobs: TopPairs | None = None
-    input_token_logprobs: list[tuple[float | None, int]] | None = None
-    input_top_logprobs: list[TopPairs | None] | None = None
-    k: TensorSpec | None = None
-    v: TensorSpec | None = None
-    meta: Meta = {}
-
-
-class VerifyResult(_Msg, tag="VerifyResult"):
-    rid: Text
-    round_id: int
-    epoch: U63
-    accepted: U63 = 0
-    correction: int = -1
-    logprobs: list[float] | None = None
-    top_logprobs: tuple[list[list[float]], list[list[int]]] | None = None
-    k: TensorSpec | None = None
-    v: TensorSpec | None = None
-    error: str | None = None
-    meta: Meta = {}
-
-
-WIRE_TYPES: dict[type, type[_Msg]] = {
-    m.Hello: Hello, m.OpenSession: OpenSession, m.VerifyRun: VerifyRun, m.CloseSession: CloseSession,
-    m.Pong: Pong, m.Refused: Refused, m.PrefillResult: PrefillResult, m.VerifyResult: VerifyResult,
-}
-MESSAGE_TYPES: dict[type[_Msg], type] = {w: d for d, w in WIRE_TYPES.items()}
-TO_VERIFIER = (m.Hello, m.OpenSession, m.VerifyRun, m.CloseSession)
-TO_DRAFTER = (m.Pong, m.Refused, m.PrefillResult, m.VerifyResult)
-TENSOR_FIELDS: dict[type[_Msg], tuple[str, ...]] = {w: () for w in MESSAGE_TYPES}
-TENSOR_FIELDS.update({PrefillResult: ("k", "v"), VerifyResult: ("k", "v")})
 
 
 class _Probe(msgspec.Struct):
@@ -162,12 +72,10 @@ class _Probe(msgspec.Struct):
 
 class Header(msgspec.Struct, forbid_unknown_fields=True):
     v: int
-    msg: Union[Hello, OpenSession, VerifyRun, CloseSession, Pong, Refused, PrefillResult, VerifyResult]
+    msg: m.AnyMessage
 
 
-_encoder = msgspec.msgpack.Encoder()
 _probe_decoder = msgspec.msgpack.Decoder(_Probe)
-_header_decoder = msgspec.msgpack.Decoder(Header)
 
 
 def _tensor_bytes(t: torch.Tensor) -> tuple[TensorSpec, memoryview]:
@@ -201,7 +109,7 @@ class Codec:
     refuses the message types not in accept (a verifier takes TO_VERIFIER, a drafter TO_DRAFTER)."""
 
     def __init__(self, secret: str | bytes | None = None, version: int = PROTOCOL_VERSION,
-                 accept: tuple[type, ...] = TO_VERIFIER + TO_DRAFTER):
+                 accept: tuple[type, ...] = m.TO_VERIFIER + m.TO_DRAFTER):
         self.key = secret.encode() if isinstance(secret, str) else secret
         self.version = version
         self.accept = accept
@@ -214,19 +122,20 @@ class Codec:
             h.update(f)
         return h.digest()
 
-    def encode(self, msg) -> list:
-        wire_type = WIRE_TYPES.get(type(msg))
-        if wire_type is None:
+    def encode(self, msg: m.Message) -> list:
+        if type(msg) not in m.TO_VERIFIER + m.TO_DRAFTER:
             raise TypeError(f"{type(msg).__name__} is not a disagg message")
-        fields = {}
         tensors = []
-        for name in wire_type.__struct_fields__:
-            value = getattr(msg, name)
-            if name in TENSOR_FIELDS[wire_type] and value is not None:
-                value, data = _tensor_bytes(value)
-                tensors.append(data)
-            fields[name] = value
-        frames = [_encoder.encode(Header(self.version, wire_type(**fields))), *tensors]
+
+        def tensor_spec(value):  # tensor fields, in field order: a spec in the header, bytes in a frame
+            if not isinstance(value, torch.Tensor):
+                raise NotImplementedError(f"the disagg wire carries no {type(value).__name__}")
+            spec, data = _tensor_bytes(value)
+            tensors.append(data)
+            return spec
+
+        header = msgspec.msgpack.Encoder(enc_hook=tensor_spec).encode(Header(self.version, msg))
+        frames = [header, *tensors]
         if self.key is not None:
             frames.append(self.mac(frames))
         return frames
@@ -249,31 +158,43 @@ class Codec:
             raise WireError("a header without a protocol version")
         if type(version) is not int or version != self.version:
             raise VersionMismatch(version, self.version)
+        specs: list[tuple[TensorSpec, torch.Tensor]] = []
+        placeholders: dict[int, int] = {}  # id(placeholder tensor) -> its index in specs
+
+        def tensor_spec(cls, obj):  # a tensor field's [dtype, shape]: a placeholder until its frame is checked
+            if cls is not torch.Tensor:
+                raise NotImplementedError
+            spec = msgspec.convert(obj, TensorSpec)
+            if spec.dtype not in TENSOR_DTYPES:
+                raise ValueError(f"tensor dtype {spec.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+            placeholder = torch.empty(0)
+            placeholders[id(placeholder)] = len(specs)
+            specs.append((spec, placeholder))
+            return placeholder
+
         try:
-            wire = _header_decoder.decode(frames[0]).msg
+            msg = msgspec.msgpack.Decoder(Header, dec_hook=tensor_spec).decode(frames[0]).msg
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise WireError(f"a header that does not decode ({e})") from None
-        names = TENSOR_FIELDS[type(wire)]
-        specs = [(n, getattr(wire, n)) for n in names if getattr(wire, n) is not None]
         if len(frames) - 1 != len(specs):
             hint = " (an HMAC? this side has no --disagg-secret)" if self.key is None and len(
                 frames) - 1 == len(specs) + 1 and len(frames[-1]) == MAC_BYTES else ""
             raise WireError(f"{len(frames) - 1} tensor frames for the {len(specs)} tensors its header "
                             f"names{hint}")
-        for (_, spec), frame in zip(specs, frames[1:]):
+        for (spec, _), frame in zip(specs, frames[1:]):
             _check_tensor(spec, frame)
-        cls = MESSAGE_TYPES[type(wire)]
-        if cls not in self.accept:
-            raise WireError(f"a {cls.__name__}, which this side never receives")
-        fields = {f: getattr(wire, f) for f in wire.__struct_fields__}
-        for (name, spec), frame in zip(specs, frames[1:]):
-            fields[name] = _tensor_from(spec, frame)
-        if isinstance(wire, OpenSession):
+        if type(msg) not in self.accept:
+            raise WireError(f"a {type(msg).__name__}, which this side never receives")
+        for name in msg.__struct_fields__:
+            i = placeholders.get(id(getattr(msg, name)))
+            if i is not None:
+                setattr(msg, name, _tensor_from(specs[i][0], frames[1 + i]))
+        if isinstance(msg, m.OpenSession):
             try:
-                fields["sampling_params"].check_types()
+                msg.sampling_params.check_types()
             except ValueError as e:
                 raise WireError(f"bad sampling params ({e})") from None
-        return cls(**fields)
+        return msg
 
 
 class DropLog:
