@@ -5,6 +5,7 @@ adaptive schedule's note on why it decodes as full mode, and SGLang's periodic "
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -139,3 +140,38 @@ def test_full_mode_note_says_why():
     assert note.maybe_log(ctl, only, ctl.decide(only)) and not note.maybe_log(ctl, only, ctl.decide(only))
     again = FullModeNote(every_s=0.0)
     assert again.maybe_log(ctl, only, ctl.decide(only)) and again.maybe_log(ctl, only, ctl.decide(only))
+
+
+def _fake_scheduler(running: int, queue: int):
+    from types import SimpleNamespace
+
+    from sglang_vericache.managers.stats import SchedulerMetrics
+
+    return SimpleNamespace(metrics=SchedulerMetrics(), running=[object()] * running, waiting_queue=[object()] * queue,
+                           max_total_num_tokens=1000, allocator=SimpleNamespace(available_size=lambda: 900),
+                           tree_cache=SimpleNamespace(evictable_size=lambda: 36), two_tier=None)
+
+
+def test_batch_log_interval_and_rank(caplog):
+    from sglang_vericache.managers.batch_log import BatchLog
+
+    s = _fake_scheduler(running=3, queue=1)
+    s.metrics.num_cached_tokens_total = 16
+    with caplog.at_level(logging.INFO, logger="sglang_vericache.managers.batch_log"):
+        log = BatchLog(decode_log_interval=3, vericache=True)
+        log.on_prefill(s, [(None, 24), (None, 8)])
+        s.metrics.on_spec_round(drafted=4, accepted=3)
+        s.metrics.on_spec_round(drafted=4, accepted=1)
+        for _ in range(7):  # lines before the 3rd and the 6th iterations
+            log.on_decode(s)
+        quiet = BatchLog(decode_log_interval=1, vericache=False, enabled=False)  # a tensor-parallel rank > 0
+        quiet.on_prefill(s, [(None, 24)])
+        quiet.on_decode(s)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[0] == ("Prefill batch. #new-seq: 2, #new-token: 32, #cached-token: 16, #token: 64, "
+                        "token usage: 0.06, #running-req: 3, #queue-req: 1")
+    assert re.fullmatch(r"Decode batch\. #running-req: 3, #token: 64, token usage: 0\.06, #spec-round: 2, "
+                        r"accept len: 3\.00, gen throughput \(token/s\): 0\.00, #queue-req: 1", lines[1])
+    assert re.fullmatch(r"Decode batch\. #running-req: 3, #token: 64, token usage: 0\.06, #spec-round: 0, "
+                        r"gen throughput \(token/s\): 0\.00, #queue-req: 1", lines[2])

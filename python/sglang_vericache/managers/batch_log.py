@@ -62,9 +62,10 @@ def decode_line(running: int, use: KVUse, gen_throughput: float, queue: int,
 
 
 class BatchLog:
-    def __init__(self, decode_log_interval: int, vericache: bool) -> None:
+    def __init__(self, decode_log_interval: int, vericache: bool, enabled: bool = True) -> None:
         self.interval = decode_log_interval
         self.vericache = vericache
+        self.enabled = enabled  # tensor parallelism: rank 0 logs, the other ranks' lines would repeat it
         self.decode_iters = 0
         self.last_time = time.perf_counter()
         self.last_tokens = 0
@@ -77,7 +78,7 @@ class BatchLog:
         cached, self.last_cached = m.num_cached_tokens_total - self.last_cached, m.num_cached_tokens_total
         if not s.running:  # idle until now: the next throughput is measured from here
             self.last_time, self.last_tokens = time.perf_counter(), m.num_generation_tokens_total
-        if logger.isEnabledFor(logging.INFO):
+        if self.enabled and logger.isEnabledFor(logging.INFO):
             logger.info(prefill_line(len(batch), sum(n for _, n in batch), cached, kv_use(s), len(s.running),
                                      len(s.waiting_queue)))
 
@@ -92,6 +93,6 @@ class BatchLog:
         spec = (m.spec_rounds_total, m.spec_accepted_total)
         delta = (spec[0] - self.last_spec[0], spec[1] - self.last_spec[1])
         self.last_time, self.last_tokens, self.last_spec = now, m.num_generation_tokens_total, spec
-        if logger.isEnabledFor(logging.INFO):
+        if self.enabled and logger.isEnabledFor(logging.INFO):
             logger.info(decode_line(len(s.running), kv_use(s), tput, len(s.waiting_queue),
                                     delta if self.vericache else None))

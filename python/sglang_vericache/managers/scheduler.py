@@ -120,8 +120,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.metrics = SchedulerMetrics()
-        # "Prefill batch." / "Decode batch." log lines (batch_log.py).
-        self.batch_log = BatchLog(server_args.decode_log_interval, self.mode == "vericache")
+        # "Prefill batch." / "Decode batch." log lines (batch_log.py), from rank 0 alone.
+        self.batch_log = BatchLog(server_args.decode_log_interval, self.mode == "vericache", self.tp.is_first)
         # Benchmarks set a list here to get (start, end, tag) of every model forward.
         self.timeline: list[tuple[float, float, str]] | None = None
         self.profiler = SchedulerProfiler(server_args.device)  # /start_profile, /stop_profile
