@@ -90,6 +90,11 @@ def test_sharegpt_openai_backends(bench_server, tmp_path):
                        "--disable-stream")
     assert (res["completed"], res["total_input_tokens"], res["total_output_tokens"]) == (5, want, 15)
     assert res["itls"] == [[]] * 5 and all(t > 0 for t in res["ttfts"])  # one event: TTFT is the latency
+    # random over the file's text (sglang's random): first turns' ids repeated or cut to 10 tokens, sent as ids.
+    _, res = run_bench(url, tmp_path, "--backend", "sglang", "--dataset-name", "random", "--dataset-path", str(path),
+                       "--num-prompts", "3", "--random-input-len", "10", "--random-output-len", "3",
+                       "--random-range-ratio", "1")
+    assert (res["completed"], res["total_input_tokens"], res["total_output_tokens"]) == (3, 30, 9)
 
 
 def test_metrics_of_fixed_outputs():
@@ -127,3 +132,50 @@ def test_bad_flags(flags, message):
 
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
         run_benchmark(make_parser().parse_args(list(flags)))
+
+
+class _WordTokenizer:
+    """One token per word (its length), to test the datasets without a server."""
+
+    vocab_size = 50
+
+    def encode_batch(self, texts):
+        return [[len(w) for w in t.split()] for t in texts]
+
+    def decode_batch(self, ids):
+        return [" ".join("x" * i for i in row) for row in ids]
+
+
+def test_datasets(tmp_path):
+    import numpy as np
+
+    from sglang_vericache.bench_serving.datasets import sample_random_requests, sample_sharegpt_requests
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"value": "aa bbb"}, {"value": "c dd eee"}]},  # prompt 2 tokens, answer 3
+        {"conversations": [{"value": "single"}, {"value": "x y z"}]},  # a 1-token prompt: pruned
+        {"conversation": [{"value": "a b c d e f"}, {"value": "q"}]},  # a 1-token answer: pruned
+        {"conversations": [{"value": "a b c d"}, {"value": "x y z w"}]},  # 4 + 4 tokens
+    ]))
+    rows = sample_sharegpt_requests(str(path), 10, _WordTokenizer())
+    assert sorted((r.prompt, r.prompt_len, r.output_len) for r in rows) == [("a b c d", 4, 4), ("aa bbb", 2, 3)]
+    rows = sample_sharegpt_requests(str(path), 10, _WordTokenizer(), fixed_output_len=5, context_len=8)
+    assert [(r.prompt_len, r.output_len) for r in rows] == [(2, 5)]  # 4 + 5 > 8, and "single" still 1 token
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"conversations": [{"value": "a bb"}, {"value": "x"}]}]))
+    rows = sample_random_requests(5, 4, 2, 1.0, _WordTokenizer(), as_text=False, dataset_path=str(one))
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in rows] == [([1, 2, 1, 2, 1], 5, 4)] * 2
+    np.random.seed(0)
+    rows = sample_random_requests(6, 3, 8, 0.5, _WordTokenizer(), as_text=False)
+    for r in rows:  # lengths in [len * ratio, len]; ids consecutive (mod the vocabulary) from an offset
+        assert 3 <= r.prompt_len <= 6 and 1 <= r.output_len <= 3 and len(r.prompt) == r.prompt_len
+        assert all(b == (a + 1) % 50 for a, b in zip(r.prompt, r.prompt[1:]))
+    assert len({r.prompt_len for r in rows}) > 1
+    np.random.seed(3)  # chat backends get the text: the ids' decoding
+    rows = sample_random_requests(4, 2, 1, 1.0, _WordTokenizer(), as_text=True)
+    np.random.seed(3)
+    np.random.randint(4, 5, size=1), np.random.randint(2, 3, size=1)  # the lengths' draws
+    offset = int(np.random.randint(0, 50, size=1)[0])
+    want = _WordTokenizer().decode_batch([[(offset + j) % 50 for j in range(4)]])[0]
+    assert (rows[0].prompt, rows[0].prompt_len, rows[0].output_len) == (want, 4, 2)
