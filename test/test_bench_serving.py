@@ -179,3 +179,11 @@ def test_datasets(tmp_path):
     offset = int(np.random.randint(0, 50, size=1)[0])
     want = _WordTokenizer().decode_batch([[(offset + j) % 50 for j in range(4)]])[0]
     assert (rows[0].prompt, rows[0].prompt_len, rows[0].output_len) == (want, 4, 2)
+
+
+def test_client_needs_no_torch():
+    code = ("import sys, sglang_vericache.bench_serving.cli; "
+            "print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
