@@ -136,6 +136,7 @@ class ServerArgs(ServerArgsChecks):
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     enable_metrics: bool = False  # changes nothing: /metrics is always served; accepted for SGLang command lines
     log_requests: bool = False  # log each request on arrival and on finish
+    decode_log_interval: int = 40  # decode iterations between the scheduler's "Decode batch." log lines
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
     watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
 

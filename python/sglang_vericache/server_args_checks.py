@@ -156,6 +156,8 @@ class ServerArgsChecks:
                              f"(the {self.attention_backend} backend reads KV in the compute dtype)")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.decode_log_interval < 1:
+            raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -241,6 +241,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--log-requests", action="store_true",
         help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
              "(tokens, finish reason, text).")
+    add("--decode-log-interval", type=int, default=d["decode_log_interval"].default,
+        help="Decode iterations between the scheduler's \"Decode batch.\" log lines (running and waiting "
+             "requests, KV use of each tier, generation throughput); each prefill batch logs a "
+             "\"Prefill batch.\" line. Shown at --log-level info.")
     add("--watchdog-timeout", type=float, default=None,
         help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
              "the scheduler dumps its threads' stacks and exits, and requests fail with an error "

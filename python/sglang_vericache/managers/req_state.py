@@ -10,6 +10,7 @@ from typing import Any
 from sglang_vericache.managers.detokenizer import IncrementalDetokenizer, held_back_len
 from sglang_vericache.managers.io_struct import ReqOutput
 from sglang_vericache.sampling.sampling_params import SamplingParams
+from sglang_vericache.speculative.round_state import SPEC_META_DEFAULTS
 
 
 def _with_text(entries, tokenizer, with_text: bool) -> list[list]:
@@ -149,6 +150,7 @@ class ReqState:
                 meta["output_top_logprobs"] = self.output_top_logprobs[start:]
             if not final:
                 self.sent_logprobs = len(self.output_token_logprobs)
+        meta.update(SPEC_META_DEFAULTS)  # zero where no VeriCache round ran
         meta.update(self.meta)
         out: dict[str, Any] = {}
         if self.detok is not None:

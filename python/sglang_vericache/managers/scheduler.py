@@ -22,6 +22,7 @@ import zmq
 from sglang_vericache.constrained.grammar_backend import grammar_key
 from sglang_vericache.distributed import request_broadcast
 from sglang_vericache.distributed.parallel_state import get_tp_group
+from sglang_vericache.managers.batch_log import BatchLog
 from sglang_vericache.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -119,6 +120,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.metrics = SchedulerMetrics()
+        # "Prefill batch." / "Decode batch." log lines (batch_log.py), from rank 0 alone.
+        self.batch_log = BatchLog(server_args.decode_log_interval, self.mode == "vericache", self.tp.is_first)
         # Benchmarks set a list here to get (start, end, tag) of every model forward.
         self.timeline: list[tuple[float, float, str]] | None = None
         self.profiler = SchedulerProfiler(server_args.device)  # /start_profile, /stop_profile
@@ -131,6 +134,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             self.send_socket = ctx.socket(zmq.PUSH)
             self.send_socket.connect(port_args.tokenizer_ipc_name)
         self.build_decoding()
+        if self.tp.is_first:
+            logger.info(self.mode_line())
 
     def build_decoding(self) -> None:
         """The collaborators of admission and the decode paths, each handed only what it uses (the
@@ -343,14 +348,17 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         if self.remote_prefill is not None:  # prompts prefill on the verifier: admission only, here
             self.remote_prefill.step()
             if self.running:
+                self.batch_log.on_decode(self)
                 self.run_decode()
             else:
                 self.remote_prefill.wait()
             return
         batch = self.prefill_adder.build(self.chunked_req)
         if batch:
+            self.batch_log.on_prefill(self, batch)
             self.run_extend(batch)
         elif self.running:
+            self.batch_log.on_decode(self)
             self.run_decode()
 
     def drop_aborted(self) -> None:

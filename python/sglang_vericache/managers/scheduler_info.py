@@ -22,6 +22,27 @@ class SchedulerInfoMixin:
             limit = min(limit, (tt.pool.num_chunks + 1) * self.page_size - 1)
         return limit
 
+    def mode_line(self) -> str:
+        """The startup line saying what decodes: the KV mode, and in the two-tier modes the compressor
+        and its ratio; in VeriCache mode the draft tokens and the schedule."""
+        args = self.server_args
+        if self.two_tier is None:
+            where = "host memory, streamed every step (--kv-offload)" if args.kv_offload else "the KV pool"
+            return f"KV mode: full (exact KV only, in {where}; no VeriCache)"
+        comp = (f"compressor {args.kv_compressor} "
+                f"(effective ratio {self.two_tier.compressor.effective_ratio():.2f}x)")
+        if self.mode == "lossy":
+            return f"KV mode: lossy ({comp}; decodes from the compressed tier alone: outputs differ from full mode)"
+        draft = args.speculative_num_draft_tokens
+        draft = f"auto (up to {args.max_draft_tokens} per round)" if draft == "auto" else f"{draft} per round"
+        schedule = {"adaptive": "adaptive (rounds only where the measured costs predict them faster than "
+                                "decoding as full mode; else it decodes as full mode)",
+                    "staggered": "staggered", "lockstep": "lock-step"}.get(args.schedule, str(args.schedule))
+        role = f", disagg role {args.disagg_role}" if args.disagg_role != "none" else ""
+        ngram = ", n-gram proposals on" if args.speculative_ngram else ""
+        return (f"KV mode: vericache (VeriCache: draft over the compressed KV, verify over the exact KV; "
+                f"outputs equal full mode's), {comp}, draft tokens {draft}, schedule {schedule}{ngram}{role}")
+
     def ready_message(self) -> SchedulerReady:
         mc = self.model_runner.model_config
         return SchedulerReady(

@@ -34,6 +34,7 @@ from sglang_vericache.speculative.controller import (
     VeriCacheController,
     plan_summary,
 )
+from sglang_vericache.speculative.full_mode_note import FullModeNote
 from sglang_vericache.speculative.reservations import VerifyReservations
 from sglang_vericache.speculative.round_state import Booking
 from sglang_vericache.speculative.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
@@ -99,6 +100,7 @@ class AdaptiveVeriCache:
         self.last_round_at = 0
         self._plan_key = None
         self._last_summary = ""
+        self.full_mode_note = FullModeNote()
         self._admit_key, self._admit_answer = None, (True, False)
         self.realized = RealizedThroughput()
         self._predicted = 0.0  # the plan in force: predicted tok/s
@@ -162,6 +164,8 @@ class AdaptiveVeriCache:
         decision = self.controller.decide(views)
         self.plans = {r.rid: p for r, p in zip(running, decision.plans)}
         self._predicted = decision.throughput
+        if running and not any(p.run and p.draft_len for p in decision.plans):
+            self.full_mode_note.maybe_log(self.controller, views, decision)  # says why, now and then
         if (self.iteration - self.last_round_at >= EXPLORE_EVERY and running
                 and not any(p.run and p.draft_len for p in decision.plans)):
             # Explore: the request with the best acceptance runs one round (exact either way).

@@ -2,7 +2,8 @@
 
 Owned by speculative/vericache_round.py (drafts, masks, target, acceptance) and by the driver that
 schedules the round: the staggered schedule's booking, the remote drafter's session fields. User-
-visible counters (spec_rounds, spec_accept_length, ...) stay in Req.meta, which goes to the client.
+visible counters (spec_rounds, spec_accept_length, ...) stay in Req.meta, which goes to the client;
+every response's meta_info carries them, zero where no round ran (SPEC_META_DEFAULTS).
 """
 
 from __future__ import annotations
@@ -12,6 +13,19 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang_vericache.speculative.ngram import NgramIndex
+
+# The VeriCache counters of a request's meta_info (VeriCacheRound.account, account_proposals), as
+# they read before any round: in full mode, and in VeriCache mode when it decoded as full mode.
+SPEC_META_DEFAULTS = {
+    "spec_rounds": 0,
+    "spec_drafted_tokens": 0,
+    "spec_accepted_tokens": 0,
+    "spec_accept_length": 0.0,
+    "spec_draft_time_s": 0.0,
+    "spec_verify_time_s": 0.0,
+    "spec_ngram_proposed_tokens": 0,
+    "spec_ngram_accepted_tokens": 0,
+}
 
 
 @dataclass(frozen=True, slots=True)

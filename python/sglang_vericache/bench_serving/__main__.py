@@ -1,0 +1,3 @@
+from sglang_vericache.bench_serving.cli import main
+
+main()
