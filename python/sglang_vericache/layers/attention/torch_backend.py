@@ -48,6 +48,7 @@ from sglang_vericache.layers.attention.draft_metadata import (
     DraftMetadata,
     build_draft_metadata,
     draft_metadata_for,
+    windowed_draft,
 )
 from sglang_vericache.layers.attention.sliding_window import query_positions, windowed
 from sglang_vericache.layers.attention.staged_metadata import (
@@ -373,8 +374,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(lid, out_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
         if self.fused_draft is None:
             self.fused_draft = q.device.type == "cpu" and fused_draft_available()
+        full_md, md = md, windowed_draft(md, layer.sliding_window, ctx.compressed_pool.chunk_size)
         if self.fused_draft:
-            out = fused_draft_attention(q, layer, ctx, exact, md)
+            out = fused_draft_attention(q, layer, ctx, exact, md, full_md)
             if out is not None:
                 return out
         layout = ctx.compressed_pool.layouts[lid]
