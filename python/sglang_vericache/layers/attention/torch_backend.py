@@ -359,7 +359,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         if self.deterministic:
             out = invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer,
-                                    self.invariant_kernel)
+                                    self.invariant_kernel, md.start)
         else:
             out = grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
                                sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
