@@ -5,8 +5,8 @@ local / global RoPE bases) and sliding-window attention in the runtime:
   longer than the window, in one batch; final-logit softcapping too; Mistral with a window as well;
 - VeriCache (a token dropper and a quantizer, lock-step rounds) equals deterministic full mode bitwise
   in bfloat16, tokens and logprobs, and so do prompts run alone and batched;
-- the batch-invariant kernel's first-visible-key argument equals the same window given as a mask;
-- a sliding layer's draft context drops the rows before its window.
+- a sliding layer's draft context drops the rows before its window (draft_metadata.windowed_draft).
+The CPU kernel's first-visible-key argument: test/kernels/test_fixed_chunk_attention.py.
 """
 
 from __future__ import annotations
@@ -136,3 +136,30 @@ def test_vericache_equals_deterministic_full_mode_bfloat16(gemma3, deterministic
 def test_deterministic_alone_equals_batched(gemma3, deterministic_full):
     alone = [serve(gemma3, [p], "bfloat16", enable_deterministic_inference=True)[0][0] for p in prompts()]
     _same(alone, deterministic_full, "alone vs batched")
+
+
+def test_windowed_draft_context_starts_at_the_window():
+    from sglang_vericache.layers.attention.draft_metadata import DraftMetadata, windowed_draft
+
+    # chunks of T = 4 positions; request 0: 5 chunks (positions 0-19), tail 20-22, drafts 23-24 (query at 24);
+    # request 1: 1 chunk (0-3), tail 4-5, drafts 6 (query at 6)
+    i64 = dict(dtype=torch.int64)
+    chunk_ids = torch.tensor([[11, 12, 13, 14, 15], [21, 0, 0, 0, 0]], **i64)
+    chunk_lens, tail_lens, draft_lens = torch.tensor([5, 1]), torch.tensor([3, 2]), torch.tensor([2, 1])
+    tail = torch.tensor([[120, 121, 122], [40, 41, 0]], **i64)
+    draft = torch.tensor([[923, 924], [906, 0]], **i64)
+    valid = lambda x, n: torch.arange(x.shape[1])[None, :] < n[:, None]  # noqa: E731
+    md = DraftMetadata(2, "draft", chunk_ids, valid(chunk_ids, chunk_lens), tail, valid(tail, tail_lens), draft,
+                       valid(draft, draft_lens), chunk_lens, tail_lens, draft_lens)
+    assert windowed_draft(md, None, 4) is md and windowed_draft(md, 25, 4) is md  # the window hides nothing
+    w = windowed_draft(md, 11, 4)  # request 0 sees positions 14-24: chunks 3, 4 (12-19), all its tail and drafts
+    assert w.chunk_lens.tolist() == [2, 1] and w.chunk_ids[0, :2].tolist() == [14, 15] and w.chunk_ids[1, 0] == 21
+    assert w.tail_lens.tolist() == [3, 2] and w.draft_lens.tolist() == [2, 1]
+    assert windowed_draft(md, 11, 4) is w  # cached
+    w = windowed_draft(md, 3, 4)  # request 0: positions 22-24; request 1: 4-6
+    assert w.chunk_lens.tolist() == [0, 0] and not w.chunk_valid.any()
+    assert w.tail_lens.tolist() == [1, 2] and w.tail_index[0, 0] == 122 and w.tail_index[1].tolist() == [40, 41, 0]
+    assert w.draft_index[0].tolist() == [923, 924] and w.draft_valid[0].tolist() == [True, True]
+    w = windowed_draft(md, 1, 4)  # only the query's own row
+    assert w.tail_lens.tolist() == [0, 0] and w.draft_lens.tolist() == [1, 1]
+    assert w.draft_index[:, 0].tolist() == [924, 906] and w.draft_valid.tolist() == [[True, False], [True, False]]
