@@ -60,11 +60,13 @@ def test_unknown_attention_backend_lists_available_ones():
         get_attention_backend_class("flash")
 
 
-def test_sliding_window_shorter_than_context_is_refused(tmp_path):
+def test_sliding_window_on_a_backend_without_one_is_refused(tmp_path):
     path = make_random_checkpoint("mistral", str(tmp_path / "m"), sliding_window=32)
-    with pytest.raises(NotImplementedError, match="sliding_window=32 < context length 256"):
-        runner_for(path)
-    assert runner_for(path, context_length=32).model_config.context_len == 32
+    with pytest.raises(ValueError, match=r"MistralForCausalLM \(.*\) has sliding-window attention layers \(window "
+                                         r"32\), which --attention-backend triton does not implement; use "
+                                         r"--attention-backend torch"):
+        runner_for(path, attention_backend="triton")
+    assert runner_for(path).model.model.layers[0].self_attn.attn.sliding_window == 32
 
 
 def test_model_config_fields(llama_dir):

@@ -108,3 +108,26 @@ def test_a_built_library_loads_without_the_build_lock(tmp_path):
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"not an ELF file")
     assert cpu_attention._load_built(broken) is False and not broken.exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_start_equals_the_window_as_a_mask(dtype):
+    """A sliding window given as each query's first visible key (start) gives bitwise the result of the
+    same keys masked out, with or without a mask beside it, and a decode row alone agrees with its verify row."""
+    q, k, v, index, _ = case(dtype, b=3, lq=6, s=300)
+    pos = torch.tensor([294, 200, 150])[:, None] + torch.arange(6)[None, :]  # query positions, keys at 0..S-1
+    window = 70
+    start = (pos - window + 1).clamp_min(0)
+    j = torch.arange(300)[None, None, :]
+    causal = j <= pos[:, :, None]
+    windowed = causal & (j >= start[:, :, None])
+    want = fixed_chunk_attention(q, k, v, index, windowed, 0.125)
+    assert torch.equal(fixed_chunk_attention(q, k, v, index, windowed, 0.125, start), want)
+    assert torch.equal(fixed_chunk_attention(q, k, v, index, causal, 0.125, start), want)
+    ref = fixed_chunk_attention_ref(q, k, v, index, windowed, 0.125)
+    assert torch.allclose(want, ref, atol=1e-2 if dtype != torch.float32 else 1e-5)
+    for b in range(3):  # decode: one query over exactly its keys, no mask, the window as start
+        p = int(pos[b, 0])
+        alone = fixed_chunk_attention(q[b : b + 1, :1], k, v, index[b : b + 1, : p + 1], None, 0.125,
+                                      start[b : b + 1, :1])
+        assert torch.equal(alone[0, 0], want[b, 0])

@@ -93,7 +93,9 @@ class CompressorConfig:
         if getattr(m, "hf_config", None) is not None and "rope_parameters" not in options:
             from sglang_vericache.layers.rotary_embedding import get_rope_parameters
 
-            options["rope_parameters"] = get_rope_parameters(m.hf_config)
+            # Gemma 3's RoPE differs per layer kind: the global layers' (one table for every layer;
+            # docs/DESIGN.md, "Gemma 3: sliding and global layers")
+            options["rope_parameters"] = get_rope_parameters(m.hf_config, layer_type="full_attention")
         if getattr(m, "model_path", None) and "kvzap_path" not in options:
             from sglang_vericache.compress.kvzap import surrogate_path
 

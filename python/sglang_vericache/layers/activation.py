@@ -19,3 +19,16 @@ class SiluAndMul(nn.Module):
             return batch_invariant.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """x = [gate, up] along the last dim -> gelu(gate) * up (approximate="tanh": HF's
+    gelu_pytorch_tanh). Elementwise in x's dtype, as HF computes it: batch invariant as it is."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

@@ -1,4 +1,5 @@
-"""RMSNorm, computed exactly as Hugging Face's LlamaRMSNorm (fp32 statistics, cast, then scale)."""
+"""RMSNorm, computed exactly as Hugging Face's LlamaRMSNorm (fp32 statistics, cast, then scale), and
+GemmaRMSNorm, exactly as Gemma3RMSNorm (fp32 statistics, scaled by 1 + weight in fp32, then cast)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ class RMSNorm(nn.Module):
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * h.to(input_dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, cast back at the end (HF's
+    Gemma3RMSNorm; the stored weight is the offset from 1, zeros at initialization)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)

@@ -12,8 +12,13 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int):
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+                 sliding_window: int | None = None):
+        """sliding_window: a query at position p sees the keys at positions > p - sliding_window
+        (Hugging Face's sliding-window mask); None: every earlier key."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
@@ -24,6 +29,7 @@ class RadixAttention(nn.Module):
         self.v_head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        self.sliding_window = sliding_window
 
     def forward(
         self,

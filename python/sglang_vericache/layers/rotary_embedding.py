@@ -16,13 +16,16 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def get_rope_parameters(config) -> dict:
-    """A flat dict with at least rope_type and rope_theta."""
+def get_rope_parameters(config, layer_type: str | None = None) -> dict:
+    """A flat dict with at least rope_type and rope_theta. Configs with RoPE parameters per layer kind
+    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) need layer_type."""
     params = getattr(config, "rope_parameters", None)
     if params:
         params = dict(params)
         if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
-            raise NotImplementedError("per-layer-type RoPE parameters are not supported")
+            if layer_type not in params:
+                raise NotImplementedError(f"RoPE parameters per layer kind ({sorted(params)}): name the kind")
+            params = dict(params[layer_type])
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)

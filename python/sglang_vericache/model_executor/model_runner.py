@@ -7,7 +7,7 @@ import logging
 import torch
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
-from sglang_vericache.layers.attention.registry import create_attention_backend
+from sglang_vericache.layers.attention.registry import create_attention_backend, get_attention_backend_class
 from sglang_vericache.mem_cache.device_page_cache import DevicePageCache, pages_one_forward_touches
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
@@ -46,8 +46,23 @@ class ModelRunner:
         self.half_gemm_float32 = self.init_half_gemm()
         self.batch_invariant_mode = self.init_deterministic_inference()
         self.init_memory_pool()
+        self.check_sliding_window()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.graph_runner = self.init_cuda_graphs()
+
+    def check_sliding_window(self) -> None:
+        """A model with sliding-window layers needs a backend that applies the window (the torch backend)."""
+        windows = sorted({m.sliding_window for m in self.model.modules() if getattr(m, "sliding_window", None)})
+        backend = get_attention_backend_class(self.server_args.attention_backend)
+        if windows and not getattr(backend, "supports_sliding_window", False):
+            raise ValueError(
+                f"{self.model_config.architecture} ({self.server_args.model_path}) has sliding-window attention "
+                f"layers (window {', '.join(map(str, windows))}), which --attention-backend "
+                f"{self.server_args.attention_backend} does not implement; use --attention-backend torch")
+        if windows:
+            logger.info("sliding-window attention: %d of %d layers see the last %s positions",
+                        sum(1 for m in self.model.modules() if getattr(m, "sliding_window", None)),
+                        self.model_config.num_hidden_layers, "/".join(map(str, windows)))
 
     def init_half_gemm(self) -> bool:
         """--cpu-half-gemm: half-precision linear layers through float32 products (layers/half_gemm.py);

@@ -42,17 +42,18 @@ class AttentionFlags:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
 
 
-def check_sliding_window(config, context_len: int) -> None:
-    """Sliding-window attention is not implemented; it is harmless only if the window covers the context."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return
+def layer_sliding_window(config, layer_id: int) -> int | None:
+    """Layer layer_id's sliding window (keys visible to a query: the last `window` positions) or None:
+    config.sliding_window on the layers config.layer_types calls "sliding_attention", on every layer
+    where there is no layer_types (Mistral); Qwen2 / Qwen3 configs clear sliding_window unless
+    use_sliding_window."""
     window = getattr(config, "sliding_window", None)
-    if window is not None and window < context_len:
-        raise NotImplementedError(
-            f"sliding_window={window} < context length {context_len}: sliding-window attention is not "
-            f"supported; pass --context-length {window} (or less) to serve this model"
-        )
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_id] != "sliding_attention":
+        return None
+    return int(window)
 
 
 class LlamaMLP(nn.Module):
@@ -85,9 +86,8 @@ class LlamaAttention(nn.Module):
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
-        )
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+                                   sliding_window=layer_sliding_window(config, layer_id))
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
@@ -154,7 +154,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         context_len = context_len or config.max_position_embeddings
-        check_sliding_window(config, context_len)
         self.model = LlamaModel(config, context_len + 64, self.attention_flags(config))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
@@ -229,4 +228,4 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same architecture as Llama (sliding window only where it covers the whole context)."""
+    """Same architecture as Llama; every layer has config.sliding_window (when set)."""

@@ -9,6 +9,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "sglang_vericache.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "sglang_vericache.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "sglang_vericache.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "sglang_vericache.models.gemma3:Gemma3ForCausalLM",
 }
 
 

@@ -51,6 +51,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False,  # head_dim != hidden/heads (16)
     )),
+    # Gemma 3 270M's shape in miniature: one KV head, sliding layers around a global one, a window
+    # (12) shorter than most test prompts, local and global RoPE bases, query_pre_attn_scalar != head_dim.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, num_key_value_heads=1, num_hidden_layers=4, sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    )),
 }
 
 
@@ -103,6 +112,22 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * noise)
             else:
                 p.copy_(0.25 * noise)  # large enough that tied lm_heads do not just echo the input
+        if getattr(model.config, "model_type", "") == "gemma3_text":
+            _gemma_scales(model, gen)
+
+
+def _gemma_scales(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Gemma's norms scale by (1 + weight) and its embeddings by sqrt(hidden): with the scales above its
+    tied head echoes the input, and q / k norms of ~3 make attention so sharp that bfloat16 rounding
+    flips greedy tokens (logits off by ~10% of their spread). Here: embeddings 8x smaller, layer norms
+    2 + 0.2 noise (the layers' outputs outweigh the embedding), q / k norms 1 + 0.2 noise, a final norm
+    of 5 + 0.2 noise (wider logit margins): varied greedy text, bfloat16 logits within ~1.3% of float32's."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            base = 4.0 if name == "model.norm.weight" else 0.0 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+            p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.mul_(0.125)
 
 
 def make_random_checkpoint(family: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None,

@@ -133,15 +133,19 @@ def fixed_chunk_attention(
     index: torch.Tensor,  # [B, S] int64 rows of k_src / v_src
     allowed: torch.Tensor | None,  # [B, Lq, S] bool; None: every key visible
     scale: float,
+    start: torch.Tensor | None = None,  # [B, Lq] int64 first visible key of each query; None: 0
 ) -> torch.Tensor:
-    """-> float32 [B, Lq, H, Dv]. K/V are read in q's dtype (converted first if stored otherwise)."""
+    """-> float32 [B, Lq, H, Dv]. K/V are read in q's dtype (converted first if stored otherwise).
+    start (a sliding window's first key): the keys before it are neither scanned nor read; a query's
+    visible keys, and so its result, are the same as with those keys masked out in `allowed`."""
     load()
     if k_src.dtype != q.dtype:
         k_src, v_src = k_src.to(q.dtype), v_src.to(q.dtype)
     mask = torch.empty(0, dtype=torch.bool) if allowed is None else allowed.contiguous()
+    first = torch.empty(0, dtype=torch.int64) if start is None else start.to(torch.int64).contiguous()
     return torch.ops.sgl_kernel_ext_cpu.fixed_chunk_attention(
         q.contiguous(), k_src.contiguous(), v_src.contiguous(), index.to(torch.int64).contiguous(), mask,
-        float(scale),
+        float(scale), first,
     )
 
 

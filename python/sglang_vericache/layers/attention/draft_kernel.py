@@ -74,13 +74,18 @@ def fused_draft_attention(
     ctx: DraftContext,
     exact: MHATokenToKVPool,
     md: DraftMetadata,
+    unwindowed: DraftMetadata | None = None,
 ) -> torch.Tensor | None:
-    """-> [B, H*Dv] in q's dtype; None when the kernel does not read this layer (torch path)."""
+    """-> [B, H*Dv] in q's dtype; None when the kernel does not read this layer (torch path).
+    unwindowed: where md is a sliding-window layer's context (draft_metadata.windowed_draft: leading
+    chunks skipped), the whole context, whose chunk counts bound the positions kvquant's / rotatekv's
+    RoPE table must cover (the kernel reads each row's stored position)."""
     from sgl_kernel_ext.cpu_draft_attention import compressed_layer, draft_decode_attention
 
     lid = layer.layer_id
     pool = ctx.compressed_pool
-    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid], *_rope_and_rotation(pool, lid, md))
+    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid],
+                            *_rope_and_rotation(pool, lid, unwindowed or md))
     why = _fits(q, layer) or (None if comp is not None else f"{pool.compressor.name}'s layout")
     if why is not None:
         if why not in _warned:

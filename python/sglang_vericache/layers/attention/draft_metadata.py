@@ -56,6 +56,7 @@ class DraftMetadata:
     draft_flat: torch.Tensor | None = field(init=False)
     compressed: dict[tuple[str, int], CompressedIndex] = field(default_factory=dict)
     masks: dict[tuple[str, int], torch.Tensor | None] = field(default_factory=dict)
+    windows: dict[int, DraftMetadata] = field(default_factory=dict)  # sliding window -> windowed_draft's
 
     def __post_init__(self) -> None:
         self.tail_flat = self.tail_index.T.reshape(-1)
@@ -77,6 +78,48 @@ class DraftMetadata:
             valid = torch.cat(parts, 1)
             self.masks[key] = None if bool(valid.all()) else valid[:, None, None, :]
         return self.masks[key]
+
+
+def windowed_draft(md: DraftMetadata, window: int | None, chunk_size: int) -> DraftMetadata:
+    """md for a layer with a sliding window: each request's context without the rows before its window
+    (the query at position p sees positions > p - window). Tail and draft rows are cut at their exact
+    positions; compressed chunks whole (chunk c holds positions [c*T, (c+1)*T), a token-dropped chunk's
+    kept rows are not position-indexed here): the chunks before the window's first chunk are skipped, the
+    chunk the window starts in is kept. Chunks keep their ids (and stored positions), so the torch path
+    and the fused kernel read them as before. Cached per window; md itself where the window hides nothing."""
+    if window is None:
+        return md
+    if window not in md.windows:
+        draft_lens = md.draft_lens if md.draft_lens is not None else torch.zeros_like(md.tail_lens)
+        tail_start = md.chunk_lens * chunk_size
+        q_pos = tail_start + md.tail_lens + draft_lens - 1
+        start = (q_pos - (window - 1)).clamp_min(0)
+        if not bool(start.any()):
+            md.windows[window] = md
+        else:
+            skip_c = torch.minimum(start // chunk_size, md.chunk_lens)
+            skip_t = torch.minimum((start - tail_start).clamp_min(0), md.tail_lens)
+            skip_d = torch.minimum((start - tail_start - md.tail_lens).clamp_min(0), draft_lens)
+            chunk_ids, chunk_valid, chunk_lens = _skip(md.chunk_ids, md.chunk_lens, skip_c)
+            tail_index, tail_valid, tail_lens = _skip(md.tail_index, md.tail_lens, skip_t)
+            draft_index = draft_valid = new_draft_lens = None
+            if md.draft_index is not None:
+                draft_index, draft_valid, new_draft_lens = _skip(md.draft_index, md.draft_lens, skip_d)
+            md.windows[window] = DraftMetadata(md.batch_size, md.new_kv, chunk_ids, chunk_valid, tail_index,
+                                               tail_valid, draft_index, draft_valid, chunk_lens, tail_lens,
+                                               new_draft_lens)
+    return md.windows[window]
+
+
+def _skip(index: torch.Tensor, lens: torch.Tensor, skip: torch.Tensor):
+    """Right-padded rows [B, X] (lengths lens) without the first skip[b] of row b ->
+    (index [B, X] 0-padded, valid [B, X], lengths)."""
+    x = index.shape[1]
+    j = torch.arange(x, device=index.device)[None, :]
+    new_lens = lens - skip
+    valid = j < new_lens[:, None]
+    src = (j + skip[:, None]).clamp_max(max(x - 1, 0))
+    return torch.where(valid, index.gather(1, src), 0), valid, new_lens
 
 
 def build_draft_metadata(fb: ForwardBatch) -> DraftMetadata:

@@ -52,6 +52,8 @@ class FlashInferMetadata:
 
 
 class FlashInferAttnBackend(TorchNativeAttnBackend):
+    supports_sliding_window = False  # its kernels have no window: models with one are refused
+
     def __init__(self, model_runner=None):
         super().__init__(model_runner)
         device = str(getattr(model_runner, "device", "cpu"))

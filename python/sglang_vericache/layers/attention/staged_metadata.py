@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_vericache.layers.attention.sliding_window import query_positions
+
 if TYPE_CHECKING:
     from sglang_vericache.model_executor.forward_batch import StagedVerify
 
@@ -35,6 +37,9 @@ class StagedMetadata:
     q_index: torch.Tensor | None
     out_index: torch.Tensor | None
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    q_pos: torch.Tensor | None = None  # [B, Lq] position of each padded query (sliding-window layers)
+    windows: dict = field(default_factory=dict)  # window -> this layout for that window (sliding_window.py)
+    start: torch.Tensor | None = None  # [B, Lq] first visible key of each query (a windowed copy's)
 
 
 def build_staged_metadata(
@@ -66,8 +71,10 @@ def build_staged_metadata(
         starts = torch.tensor(q_starts, dtype=torch.int64, device=dev)
         q_index = torch.where(valid, starts[:, None] + i, torch.zeros_like(i)).flatten()
         out_index = valid.flatten().nonzero().squeeze(1)
+    i64 = dict(dtype=torch.int64, device=dev)
+    q_pos = query_positions(torch.tensor(prefix_lens, **i64), torch.tensor(seq_lens, **i64), max_q)
     return StagedMetadata(bs, max_q, max_s, list(staged.offsets), list(prefix_lens), list(ext_lens), q_starts,
-                          allowed, q_index, out_index)
+                          allowed, q_index, out_index, q_pos=q_pos)
 
 
 def staged_context(rows: torch.Tensor, new: torch.Tensor, md: StagedMetadata, dtype) -> torch.Tensor:

@@ -78,13 +78,18 @@ def sdpa_attend(
     return grouped_sdpa(q, keys, values, sdpa_mask(md, g), bs, q_len, layer)
 
 
-def invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention, kernel=None) -> torch.Tensor:
+def invariant_kernel(q, k_src, v_src, index, allowed, layer: RadixAttention, kernel=None,
+                     start: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Lq, H, D] over rows index [B, S] of k_src / v_src [N, Hkv, D] -> [B*Lq, H*Dv] in q's dtype,
-    through `kernel` (fixed_chunk_attention's interface; None: the CPU kernel)."""
+    through `kernel` (fixed_chunk_attention's interface; None: the CPU kernel). start [B, Lq]: each
+    query's first visible key (a sliding window, which `allowed` also holds): the CPU kernel skips the
+    keys before it."""
     if kernel is None:
-        from sgl_kernel_ext.cpu_attention import fixed_chunk_attention as kernel
+        from sgl_kernel_ext.cpu_attention import fixed_chunk_attention
 
-    out = kernel(q, k_src, v_src, index, allowed, layer.scaling)
+        out = fixed_chunk_attention(q, k_src, v_src, index, allowed, layer.scaling, start)
+    else:
+        out = kernel(q, k_src, v_src, index, allowed, layer.scaling)
     return out.to(q.dtype).reshape(q.shape[0] * q.shape[1], -1)
 
 
@@ -97,16 +102,17 @@ def invariant_attend(q, k_buf, v_buf, md: PaddedMetadata | RaggedBlock, bs: int,
         k_buf = k_buf.index_select(0, index.reshape(-1)).to(q.dtype)
         v_buf = v_buf.index_select(0, index.reshape(-1)).to(q.dtype)
         index = torch.arange(bs * s, device=q.device).view(bs, s)
-    return invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer, kernel)
+    return invariant_kernel(q.view(bs, q_len, *q.shape[1:]), k_buf, v_buf, index, allowed, layer, kernel,
+                            getattr(md, "start", None))
 
 
 def invariant_context(q, keys, values, allowed, bs: int, q_len: int, layer: RadixAttention,
-                       kernel=None) -> torch.Tensor:
+                       kernel=None, start: torch.Tensor | None = None) -> torch.Tensor:
     """q [B*Lq, H, D] over assembled contexts keys / values [B, S, Hkv, D] -> [B*Lq, H*Dv]."""
     s = keys.shape[1]
     index = torch.arange(bs * s, device=q.device).view(bs, s)
     return invariant_kernel(q.view(bs, q_len, *q.shape[1:]), keys.reshape(bs * s, *keys.shape[2:]),
-                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer, kernel)
+                             values.reshape(bs * s, *values.shape[2:]), index, allowed, layer, kernel, start)
 
 
 def grouped_sdpa(

@@ -48,7 +48,9 @@ from sglang_vericache.layers.attention.draft_metadata import (
     DraftMetadata,
     build_draft_metadata,
     draft_metadata_for,
+    windowed_draft,
 )
+from sglang_vericache.layers.attention.sliding_window import query_positions, windowed
 from sglang_vericache.layers.attention.staged_metadata import (
     StagedMetadata,
     build_staged_metadata,
@@ -82,6 +84,9 @@ class PaddedMetadata:
     out_index: torch.Tensor | None  # [T] padded row of each real token (None: identity)
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # group size -> SDPA mask
     causal: bool = False  # allowed is exactly tril(Lq, S) with Lq == S: SDPA's is_causal kernel
+    q_pos: torch.Tensor | None = None  # [B, Lq] position of each padded query (sliding-window layers)
+    windows: dict = field(default_factory=dict)  # window -> this layout for that window (sliding_window.py)
+    start: torch.Tensor | None = None  # [B, Lq] first visible key of each query (a windowed copy's)
 
 
 @dataclass
@@ -104,6 +109,9 @@ class RaggedBlock:
     allowed: torch.Tensor  # [1, q_len, S_block]
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
     causal: bool = False  # as PaddedMetadata.causal
+    q_pos: torch.Tensor | None = None  # as PaddedMetadata's
+    windows: dict = field(default_factory=dict)
+    start: torch.Tensor | None = None
 
 
 @dataclass
@@ -121,6 +129,7 @@ def _causal_mask(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, q_len: int, 
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    supports_sliding_window = True  # RadixAttention.sliding_window: sliding_window.py
     def __init__(self, model_runner=None):
         self.model_runner = model_runner
         self.forward_metadata: PaddedMetadata | RaggedMetadata | DraftMetadata | MixedMetadata | None = None
@@ -198,7 +207,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             out_index = valid.flatten().nonzero().squeeze(1)
         causal = (allowed is not None and q_index is None and max_q == max_s and not any(prefix_lens)
                   and min(seq_cpu) == max_s)
-        return PaddedMetadata(len(seq_cpu), max_q, kv_index, allowed, q_index, out_index, causal=causal)
+        q_pos = query_positions(fb.extend_prefix_lens[rows].to(dev), seq_lens, max_q)
+        return PaddedMetadata(len(seq_cpu), max_q, kv_index, allowed, q_index, out_index, causal=causal,
+                              q_pos=q_pos)
 
     def _mixed(self, fb: ForwardBatch) -> MixedMetadata:
         nd, bs, dev = fb.num_draft, fb.batch_size, fb.input_ids.device
@@ -240,8 +251,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 allowed = _causal_mask(
                     torch.tensor([prefix + b0], device=dev), torch.tensor([kv_len], device=dev), q_len, kv_len
                 )
+                q_pos = torch.arange(prefix + b0, kv_len, device=dev)[None, :]
                 blocks.append(RaggedBlock(q_start + b0, q_len, req_to_token[r : r + 1, :kv_len], allowed,
-                                          causal=prefix + b0 == 0))
+                                          causal=prefix + b0 == 0, q_pos=q_pos))
             q_start += ext
         return RaggedMetadata(blocks)
 
@@ -275,14 +287,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         attend = sdpa_attend
         if self.deterministic or (fb.forward_mode.is_decode() and self._decode_in_place()):
             attend = partial(invariant_attend, kernel=self.invariant_kernel)
+        window = layer.sliding_window
         if isinstance(md, PaddedMetadata):
+            md = windowed(md, window, md.kv_index.shape[1])
             qp = q if md.q_index is None else q.index_select(0, md.q_index)
             out = attend(qp, k_buf, v_buf, md, md.batch_size, md.q_len, layer)
             return out if md.out_index is None else out.index_select(0, md.out_index)
-        outs = [
-            attend(q[b.q_start : b.q_start + b.q_len], k_buf, v_buf, b, 1, b.q_len, layer)
-            for b in md.blocks
-        ]
+        blocks = [windowed(b, window, b.kv_index.shape[1]) for b in md.blocks]
+        outs = [attend(q[b.q_start : b.q_start + b.q_len], k_buf, v_buf, b, 1, b.q_len, layer) for b in blocks]
         return torch.cat(outs, 0)
 
     def _decode_in_place(self) -> bool:
@@ -318,6 +330,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         attend = sdpa_attend
         if self.deterministic:
             attend = partial(invariant_attend, kernel=self.invariant_kernel)
+        md = windowed(md, layer.sliding_window, md.kv_index.shape[1])
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         out = attend(qp, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md,
                      md.batch_size, md.q_len, layer)
@@ -329,6 +342,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """New tokens over [StagedKV rows | own K/V], causal -> [T, H*Dv]. The new K/V go to the pool."""
         lid, t = layer.layer_id, q.shape[0]
         hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        md = windowed(md, layer.sliding_window, md.kv_len)
         k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, dv)
         if save_kv_cache:  # the host tier keeps the exact KV of every verified token
             fb.token_to_kv_pool.set_kv_buffer(lid, out_loc, k, v)
@@ -345,7 +359,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         qp = q if md.q_index is None else q.index_select(0, md.q_index)
         if self.deterministic:
             out = invariant_context(qp, keys, values, md.allowed, md.batch_size, md.q_len, layer,
-                                    self.invariant_kernel)
+                                    self.invariant_kernel, md.start)
         else:
             out = grouped_sdpa(qp, keys.transpose(1, 2), values.transpose(1, 2),
                                sdpa_mask(md, layer.num_heads // hkv), md.batch_size, md.q_len, layer)
@@ -360,8 +374,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(lid, out_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
         if self.fused_draft is None:
             self.fused_draft = q.device.type == "cpu" and fused_draft_available()
+        full_md, md = md, windowed_draft(md, layer.sliding_window, ctx.compressed_pool.chunk_size)
         if self.fused_draft:
-            out = fused_draft_attention(q, layer, ctx, exact, md)
+            out = fused_draft_attention(q, layer, ctx, exact, md, full_md)
             if out is not None:
                 return out
         layout = ctx.compressed_pool.layouts[lid]

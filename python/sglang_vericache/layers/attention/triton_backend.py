@@ -104,6 +104,8 @@ class DraftKernelMetadata:
 
 
 class TritonAttnBackend(TorchNativeAttnBackend):
+    supports_sliding_window = False  # its kernels have no window: models with one are refused
+
     def __init__(self, model_runner=None):
         super().__init__(model_runner)
         try:

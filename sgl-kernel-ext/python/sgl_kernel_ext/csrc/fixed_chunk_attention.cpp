@@ -10,6 +10,8 @@
 //   v_src   [N, Hkv, Dv]       same dtype
 //   index   [B, S] int64       row of k_src / v_src holding request b's key s
 //   allowed [B, Lq, S] bool    key s visible to query i (an empty tensor: every key visible)
+//   start   [B, Lq] int64      query i's first visible key (a sliding window); keys s < start are not
+//                              scanned or read (an empty tensor: 0 for every query)
 //   -> out  [B, Lq, H, Dv]     float32
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,11 +42,11 @@ constexpr int64_t PREFETCH_ROWS = 8;
 struct Scratch {  // per thread, allocated once
   std::vector<float> qf, kbuf, vbuf, zero, s, acc, m, l;
   std::vector<int32_t> cols;  // rows with a non-prefix mask: their visible columns, in order
-  std::vector<int64_t> nv, chunk_cols, pend, pend_cn;
+  std::vector<int64_t> nv, first, chunk_cols, pend, pend_cn;
   std::vector<char> prefix;
   Scratch(int64_t G, int64_t D, int64_t Dv, int64_t S)
       : qf(QB * G * D), kbuf(CHUNK * D), vbuf(CHUNK * Dv), zero(D, 0.f), s(2 * CHUNK), acc(QB * G * Dv), m(QB * G),
-        l(QB * G), cols(QB * S), nv(QB), chunk_cols(CHUNK), pend(QB * G), pend_cn(QB * G), prefix(QB) {}
+        l(QB * G), cols(QB * S), nv(QB), first(QB), chunk_cols(CHUNK), pend(QB * G), pend_cn(QB * G), prefix(QB) {}
 };
 
 // Visible columns of one mask row: n, and whether they are exactly [0, n).
@@ -65,7 +67,7 @@ inline int64_t scan_row(const bool* row, int64_t S, int32_t* cols, char* is_pref
 }
 
 void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& index,
-                   const at::Tensor& allowed, double scale, at::Tensor& out, Elem elem) {
+                   const at::Tensor& allowed, const at::Tensor& start, double scale, at::Tensor& out, Elem elem) {
   const int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t Hkv = k_src.size(1), Dv = v_src.size(2), S = index.size(1);
   const int64_t G = H / Hkv, NQB = (Lq + QB - 1) / QB;
@@ -74,6 +76,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
   const void* vp = v_src.data_ptr();
   const int64_t* ip = index.data_ptr<int64_t>();
   const bool* ap = allowed.numel() ? allowed.data_ptr<bool>() : nullptr;
+  const int64_t* sp = start.numel() ? start.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
@@ -87,10 +90,16 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
       const int64_t* row_index = ip + b * S;
       int64_t max_nv = 0;
       for (int64_t il = 0; il < nq; ++il) {
+        // A row's visible keys: columns [f, S) that the mask allows; a prefix row's are [f, f + nv).
+        const int64_t f = sp ? std::min(std::max<int64_t>(sp[b * Lq + i0 + il], 0), S) : 0;
+        st.first[il] = f;
         if (ap) {
-          st.nv[il] = scan_row(ap + (b * Lq + i0 + il) * S, S, st.cols.data() + il * S, &st.prefix[il]);
+          int32_t* rc = st.cols.data() + il * S;
+          st.nv[il] = scan_row(ap + (b * Lq + i0 + il) * S + f, S - f, rc, &st.prefix[il]);
+          if (!st.prefix[il])
+            for (int64_t c = 0; c < st.nv[il]; ++c) rc[c] += static_cast<int32_t>(f);
         } else {
-          st.nv[il] = S;
+          st.nv[il] = S - f;
           st.prefix[il] = 1;
         }
         max_nv = std::max(max_nv, st.nv[il]);
@@ -122,17 +131,18 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
           if (st.nv[il] <= c0) continue;
           const int64_t cn = std::min(CHUNK, st.nv[il] - c0);
           const int32_t* rc = st.prefix[il] ? nullptr : st.cols.data() + il * S + c0;
+          const int64_t p0 = st.first[il] + c0;  // a prefix row's chunk: columns p0, p0 + 1, ...
           bool covered = cn <= built;
-          for (int64_t c = 0; covered && c < cn; ++c) covered = st.chunk_cols[c] == (rc ? rc[c] : c0 + c);
+          for (int64_t c = 0; covered && c < cn; ++c) covered = st.chunk_cols[c] == (rc ? rc[c] : p0 + c);
           if (!covered) {
             flush();
             for (int64_t c = 0; c < cn; ++c) {
-              const int64_t col = rc ? rc[c] : c0 + c;
+              const int64_t col = rc ? rc[c] : p0 + c;
               const int64_t r = row_index[col];
               // rows PREFETCH_ROWS ahead (past the chunk's end: the next chunk's, for a prefix row)
               const int64_t ahead = c + PREFETCH_ROWS;
               if (ahead < cn || (!rc && c0 + ahead < st.nv[il])) {
-                const int64_t ra = row_index[rc ? rc[ahead] : c0 + ahead], es = elem == F32 ? 4 : 2;
+                const int64_t ra = row_index[rc ? rc[ahead] : p0 + ahead], es = elem == F32 ? 4 : 2;
                 prefetch_bytes(kp, (ra * Hkv + hk) * D * es, D * es);
                 prefetch_bytes(vp, (ra * Hkv + hk) * Dv * es, Dv * es);
               }
@@ -162,7 +172,8 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k_src, const at::Tenso
 }
 
 at::Tensor fixed_chunk_attention(const at::Tensor& q, const at::Tensor& k_src, const at::Tensor& v_src,
-                                 const at::Tensor& index, const at::Tensor& allowed, double scale) {
+                                 const at::Tensor& index, const at::Tensor& allowed, double scale,
+                                 const at::Tensor& start) {
   TORCH_CHECK(q.dim() == 4 && k_src.dim() == 3 && v_src.dim() == 3 && index.dim() == 2,
               "fixed_chunk_attention: q [B, Lq, H, D], k_src [N, Hkv, D], v_src [N, Hkv, Dv], index [B, S]");
   TORCH_CHECK(q.is_contiguous() && k_src.is_contiguous() && v_src.is_contiguous() && index.is_contiguous(),
@@ -177,6 +188,9 @@ at::Tensor fixed_chunk_attention(const at::Tensor& q, const at::Tensor& k_src, c
                                        allowed.dim() == 3 && allowed.size(0) == q.size(0) &&
                                        allowed.size(1) == q.size(1) && allowed.size(2) == index.size(1)),
               "fixed_chunk_attention: allowed must be a contiguous bool [B, Lq, S] (or empty)");
+  TORCH_CHECK(start.numel() == 0 || (start.scalar_type() == at::kLong && start.is_contiguous() && start.dim() == 2 &&
+                                     start.size(0) == q.size(0) && start.size(1) == q.size(1)),
+              "fixed_chunk_attention: start must be a contiguous int64 [B, Lq] (or empty)");
   Elem elem;
   switch (q.scalar_type()) {
     case at::kFloat: elem = F32; break;
@@ -185,13 +199,14 @@ at::Tensor fixed_chunk_attention(const at::Tensor& q, const at::Tensor& k_src, c
     default: TORCH_CHECK(false, "fixed_chunk_attention: q must be float32, bfloat16 or float16");
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v_src.size(2)}, q.options().dtype(at::kFloat));
-  if (out.numel()) attend_kernel(q, k_src, v_src, index, allowed, scale, out, elem);
+  if (out.numel()) attend_kernel(q, k_src, v_src, index, allowed, start, scale, out, elem);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(sgl_kernel_ext_cpu, m) {
-  m.def("fixed_chunk_attention(Tensor q, Tensor k_src, Tensor v_src, Tensor index, Tensor allowed, float scale) -> Tensor");
+  m.def("fixed_chunk_attention(Tensor q, Tensor k_src, Tensor v_src, Tensor index, Tensor allowed, float scale, "
+        "Tensor start) -> Tensor");
   m.impl("fixed_chunk_attention", c10::DispatchKey::CPU, &fixed_chunk_attention);
 }
