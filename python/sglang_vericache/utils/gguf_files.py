@@ -226,6 +226,9 @@ def ensure_tokenizer(gguf_path: str) -> str:
         logger.info("loading GGUF %s: converting its tokenizer (first start only, ~10 s)", gguf_path)
         src_folder, name = os.path.split(os.path.abspath(gguf_path))
         tokenizer = AutoTokenizer.from_pretrained(src_folder, gguf_file=name)
+        add_bos = _scalar_metadata(gguf_path).get("tokenizer.ggml.add_bos_token")
+        if add_bos is not None and bool(add_bos) != tokenizer.add_bos_token:
+            tokenizer.add_bos_token = bool(add_bos)  # the file's flag, as llama.cpp honours it (transformers not)
         scratch = tempfile.mkdtemp(prefix=".tokenizer-", dir=folder)
         try:
             tokenizer.save_pretrained(scratch)
