@@ -76,10 +76,17 @@ def _tokenizer_metadata(writer, model_dir: str, vocab_size: int) -> None:
         writer.add_chat_template(template)
 
 
-def write_gguf(model_dir: str, out_path: str, qtype: str = "F32", seed: int = 0,
+def _type_of(name: str, qtype: str | dict[str, str]) -> str:
+    if isinstance(qtype, str):
+        return qtype
+    return next(t for kind, t in qtype.items() if f".{kind}." in name or name.startswith(f"{kind}.") or not kind)
+
+
+def write_gguf(model_dir: str, out_path: str, qtype: str | dict[str, str] = "F32", seed: int = 0,
                architecture: str | None = None) -> str:
     """Write `model_dir` (a float32 HF checkpoint of a GGUF_ARCH family) as a GGUF file whose 2-D tensors
-    are `qtype`. architecture: override general.architecture (to test an unsupported one)."""
+    are `qtype`, or per tensor kind ({"attn_q": "Q4_K", ..., "": default}: the first key found in the
+    GGUF name). architecture: override general.architecture (to test an unsupported one)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -115,7 +122,7 @@ def write_gguf(model_dir: str, out_path: str, qtype: str = "F32", seed: int = 0,
             w = permute_qk(w, heads)
         elif arch == "llama" and ".attn_k." in name:
             w = permute_qk(w, kv_heads)
-        t = qtype if w.ndim == 2 else "F32"
+        t = _type_of(name, qtype) if w.ndim == 2 else "F32"
         ggml_type = gguf.GGMLQuantizationType[t]
         if t in K_QUANTS:
             writer.add_tensor(name, random_k_blocks(w.shape, t, rng), raw_dtype=ggml_type)

@@ -84,9 +84,9 @@ def read_tensor_table(path: str) -> tuple[str, list[TensorEntry]]:
     size = os.path.getsize(path)
     try:
         reader = GGUFReader(path)
-    except Exception as e:  # a header cut short or damaged: numpy/struct errors that name no file
-        raise ValueError(f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e}); the file has "
-                         f"{size} bytes: is it truncated (an interrupted download or copy)?") from e
+    except Exception as e:  # cut short or damaged: numpy/struct errors that name no file
+        raise ValueError(f"{path!r} is truncated or damaged: gguf cannot read it from its {size} bytes "
+                         f"({type(e).__name__}: {e}); download or copy it again") from e
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in SUPPORTED_ARCHITECTURES:
