@@ -110,7 +110,7 @@ def main() -> None:
         "| # | prompt | equal | first divergence | our output (start) |",
         "|---|---|---|---|---|",
         *[f"| {i} | {r['prompt']} | {'yes' if r['equal'] else 'no'} | {r['first_divergence'] if r['first_divergence'] is not None else '-'} "
-          f"| {r['ours_text'][:60].replace(chr(10), ' ').replace('|', '/')} |" for i, r in enumerate(rows)],
+          f"| {r['ours_text'][:60].replace(chr(10), ' ').replace('|', chr(92) + '|')} |" for i, r in enumerate(rows)],
     ])
     write_results(f"hf_parity_{name}", report, table)
 
