@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
 # ggml tensor types the loader dequantizes (through gguf.quants.dequantize)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+CACHE_VERSION = 1  # in the cache key: a change to what the cache holds gets new folders
 TENSORS_FILE = "tensors.json"
 CONFIG_MARKER = "config.json"  # moved in last: the config part is complete
 TOKENIZER_MARKER = "tokenizer_config.json"  # moved in last: the tokenizer part is complete
@@ -126,7 +127,7 @@ def cache_dir(gguf_path: str) -> str:
     """This file's cache folder: a new file (other path, size or mtime) gets a new one."""
     st = os.stat(gguf_path)
     real = os.path.realpath(gguf_path)
-    key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{CACHE_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     return os.path.join(cache_root(), f"{stem}-{key}")
 
