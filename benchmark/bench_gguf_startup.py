@@ -60,7 +60,7 @@ def one_start(model_path: str, cache_home: str, extra: list[str], log_path: str)
         r.raise_for_status()
         answered = time.perf_counter() - t0
         return {"ready_s": round(ready, 1), "answer_s": round(answered, 1),
-                "answer": r.json()["choices"][0]["message"]["content"]}
+                "answer": r.json()["choices"][0]["message"]["content"], "loadavg_1min": os.getloadavg()[0]}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
@@ -85,13 +85,15 @@ def main() -> None:
         finally:
             shutil.rmtree(home, ignore_errors=True)
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("ready_s", "answer_s")} for k, v in runs.items()}
+    load = statistics.median(r["loadavg_1min"] for v in runs.values() for r in v)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(args.model_path))
     report = {"args": vars(args), "machine": machine(), "median": med, "runs": runs, "logs": logs}
     table = "\n".join([
         f"# Server start-up on {os.path.basename(args.model_path)}",
         "",
         f"Seconds from launch to /health (model + tokenizer loaded) and to the first chat answer "
-        f"(\"{QUESTION}\", 24 tokens, greedy); medians of {args.repeats}. Machine: {machine()}.",
+        f"(\"{QUESTION}\", 24 tokens, greedy); medians of {args.repeats}. Machine: {machine()}; "
+        f"1-minute load average at the answers: median {load:.1f} (other jobs share the cores).",
         "",
         f"Command: `python benchmark/bench_gguf_startup.py --model-path {args.model_path} --repeats {args.repeats}"
         + (f" --extra '{args.extra}'" if args.extra else "") + "`",
