@@ -182,6 +182,13 @@ def test_model_config_equals_the_folders(ggufs, family):
     assert ours.gguf_file == gguf_path and ref.gguf_file is None
 
 
+def test_end_of_turn_token_stops_generation(random_model_dir, tmp_path):
+    """eos ids: the config's and the file's end-of-turn token (llama.cpp stops on both)."""
+    path = write_gguf(random_model_dir("qwen2"), str(tmp_path / "eot.gguf"), eot_token_id=4)
+    cfg = ModelConfig.from_path(path)
+    assert cfg.eos_token_ids == {cfg.hf_config.eos_token_id, 4} and cfg.hf_config.eos_token_id == 2
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(ggufs):
     """A llama file (transformers gives a qwen2/qwen3 file Qwen's pre-tokenizer split, which real Qwen files
     state anyway; our test tokenizer splits the GPT-2 way)."""

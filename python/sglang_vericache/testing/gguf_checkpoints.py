@@ -83,10 +83,11 @@ def _type_of(name: str, qtype: str | dict[str, str]) -> str:
 
 
 def write_gguf(model_dir: str, out_path: str, qtype: str | dict[str, str] = "F32", seed: int = 0,
-               architecture: str | None = None) -> str:
+               architecture: str | None = None, eot_token_id: int | None = None) -> str:
     """Write `model_dir` (a float32 HF checkpoint of a GGUF_ARCH family) as a GGUF file whose 2-D tensors
     are `qtype`, or per tensor kind ({"attn_q": "Q4_K", ..., "": default}: the first key found in the
-    GGUF name). architecture: override general.architecture (to test an unsupported one)."""
+    GGUF name). architecture: override general.architecture (to test an unsupported one);
+    eot_token_id: an end-of-turn token (tokenizer.ggml.eot_token_id), as chat models' files state."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -111,6 +112,8 @@ def write_gguf(model_dir: str, out_path: str, qtype: str | dict[str, str] = "F32
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     _tokenizer_metadata(writer, model_dir, cfg["vocab_size"])
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
 
     name_map = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"])
