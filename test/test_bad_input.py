@@ -206,7 +206,7 @@ def test_missing_model_folder_exits_2_with_a_clear_message(tmp_path):
     res = launch("--model-path", missing)
     assert res.returncode == 2
     assert res.stderr.strip() == (
-        f"error: model folder not found: {missing} (--model-path must be a local Hugging Face model folder)"
+        f"error: model folder not found: {missing} (--model-path must be a local Hugging Face model folder or a .gguf file)"
     )
 
 

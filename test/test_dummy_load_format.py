@@ -59,5 +59,5 @@ def test_dummy_model_serves_and_full_equals_vericache(config_only):
 
 def test_load_format_flag():
     assert prepare_server_args(["--load-format", "dummy"]).load_format == "dummy"
-    with pytest.raises(ValueError, match="--load-format must be auto, safetensors or dummy"):
+    with pytest.raises(ValueError, match="--load-format must be auto, safetensors, gguf or dummy"):
         ServerArgs(load_format="pt")

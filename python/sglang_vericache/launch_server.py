@@ -1,6 +1,6 @@
 """`python -m sglang_vericache.launch_server [flags]`: check the model folder and the port, then serve.
 
-A missing model folder, one without config.json, a port already taken, or --dp-size > 1 without
+A missing model folder (or GGUF file), one without config.json, a port already taken, or --dp-size > 1 without
 sglang-router installed is a one-line error on stderr and exit code 2, before any process is
 spawned or any heavy module is imported. --dp-size N > 1 runs N replicas behind sglang-router
 (dp/controller.py); a replica or the router that fails to start ends it with exit code 1 and the
@@ -22,6 +22,7 @@ from sglang_vericache.dp.router_flags import (
 )
 from sglang_vericache.server_args import ServerArgs, parse_launch_args
 from sglang_vericache.utils.default_model import missing_default_model_error
+from sglang_vericache.utils.gguf_files import gguf_file_of
 
 
 def model_folder_error(server_args: ServerArgs) -> str | None:
@@ -29,12 +30,17 @@ def model_folder_error(server_args: ServerArgs) -> str | None:
     missing_default = missing_default_model_error(path)
     if missing_default:
         return missing_default
-    if not os.path.isdir(path):
-        return f"model folder not found: {path} (--model-path must be a local Hugging Face model folder)"
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return f"model folder {path} has no config.json (not a Hugging Face model folder)"
+    try:
+        gguf_file = gguf_file_of(path)
+    except ValueError as e:  # a folder of several .gguf files
+        return str(e)
+    if gguf_file is None and not os.path.isdir(path):
+        return (f"model folder not found: {path} (--model-path must be a local Hugging Face model folder "
+                f"or a .gguf file)")
+    if gguf_file is None and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"model folder {path} has no config.json (not a Hugging Face model folder) and no .gguf file"
     tok = server_args.tokenizer_path
-    if not server_args.skip_tokenizer_init and tok != path and not os.path.isdir(tok):
+    if not server_args.skip_tokenizer_init and tok != path and not os.path.exists(tok):
         return f"tokenizer folder not found: {tok}"
     return None
 

@@ -1,4 +1,8 @@
-"""ModelConfig: what the runtime needs to know about a checkpoint, read from its local folder."""
+"""ModelConfig: what the runtime needs to know about a checkpoint, read from its local folder or GGUF file.
+
+A GGUF file's config is transformers' conversion of its metadata, cached beside its tokenizer
+(utils/gguf_files.py). dtype auto: the config's torch_dtype; for GGUF, float32 if every weight is
+stored F32, else bfloat16 (a quantized or half file has no float32 weights to keep)."""
 
 from __future__ import annotations
 
@@ -9,15 +13,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.utils.gguf_files import ensure_config, gguf_file_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_model_folder(path: str) -> None:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder not found: {path!r} (--model-path must be a local folder)")
+        raise FileNotFoundError(f"model folder not found: {path!r} (--model-path must be a local folder "
+                                f"or a .gguf file)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model folder {path!r} has no config.json (not a Hugging Face checkpoint folder)")
+        raise ValueError(f"model folder {path!r} has no config.json (not a Hugging Face checkpoint folder) "
+                         f"and no .gguf file")
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype:
@@ -57,6 +64,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: set[int] = field(default_factory=set)
     tie_word_embeddings: bool = False
+    gguf_file: str | None = None  # the GGUF file the weights come from (model_path names it or its folder)
 
     tp_size: int = 1  # > 1: a rank's view (tp_shard): its attention heads and KV heads
 
@@ -84,11 +92,14 @@ class ModelConfig:
                   trust_remote_code: bool = False) -> ModelConfig:
         from transformers import AutoConfig
 
-        check_model_folder(path)
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        gguf_file = gguf_file_of(path)
+        config_dir = ensure_config(gguf_file) if gguf_file else path
+        if not gguf_file:
+            check_model_folder(path)
+        hf_config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
-            raise ValueError(f"{path}/config.json names no 'architectures'")
+            raise ValueError(f"{config_dir}/config.json names no 'architectures'")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         return ModelConfig(
@@ -103,6 +114,7 @@ class ModelConfig:
             head_dim=head_dim,
             context_len=context_length or hf_config.max_position_embeddings,
             dtype=_checkpoint_dtype(hf_config) if dtype == "auto" else _DTYPES[dtype],
-            eos_token_ids=_eos_token_ids(path, hf_config),
+            eos_token_ids=_eos_token_ids(config_dir, hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            gguf_file=gguf_file,
         )

@@ -37,7 +37,7 @@ def bundled_model_path() -> str:
 class ServerArgs(ServerArgsChecks):
     model_path: str = field(default_factory=default_model_path)
     tokenizer_path: str | None = None
-    load_format: str = "auto"  # auto / safetensors: the checkpoint's weights; dummy: random, config.json only
+    load_format: str = "auto"  # auto: what model_path holds; safetensors; gguf; dummy: random, config only
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"

@@ -143,8 +143,8 @@ class ServerArgsChecks:
             raise ValueError(f"--link-bandwidth must be > 0 bytes/s, got {self.link_bandwidth!r}")
         self.validate_kv_store()
         self.validate_disagg()
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.cpu_half_gemm not in ("auto", "native", "float32"):

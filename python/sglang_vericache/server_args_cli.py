@@ -23,19 +23,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     d = ServerArgs.__dataclass_fields__
     add = parser.add_argument
     add("--model-path", type=str, default=None,
-        help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
-             "Default: SmolLM2-135M-Instruct, fetched by scripts/setup_cpu.sh into ~/.cache/sglang_vericache.")
-    add("--tokenizer-path", type=str, default=None, help="Tokenizer folder (default: --model-path).")
+        help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or a GGUF file "
+             "(or a folder holding one .gguf and no config.json): config, weights and tokenizer come from "
+             "the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: SmolLM2-135M-Instruct "
+             "(a GGUF file), fetched by scripts/setup_cpu.sh into ~/.cache/sglang_vericache/models.")
+    add("--tokenizer-path", type=str, default=None,
+        help="Tokenizer folder or GGUF file (default: --model-path).")
     add("--load-format", type=str, default=d["load_format"].default,
-        choices=("auto", "safetensors", "dummy"),
-        help="How weights are loaded: auto / safetensors read the folder's *.safetensors; dummy draws "
-             "seeded random weights from config.json alone (--random-seed), to benchmark a model's "
-             "shape without its checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
+        choices=("auto", "safetensors", "gguf", "dummy"),
+        help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a GGUF "
+             "file into --dtype; auto is whichever --model-path holds; dummy draws seeded random weights "
+             "from the config alone (--random-seed), to benchmark a model's shape without its checkpoint "
+             "(pair with --skip-tokenizer-init or --tokenizer-path).")
     add("--served-model-name", type=str, default=None, help="Model name reported by /v1/models.")
     add("--skip-tokenizer-init", action="store_true",
         help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
     add("--dtype", type=str, default=d["dtype"].default, choices=DTYPES,
-        help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 checkpoints).")
+        help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 "
+             "checkpoints; for GGUF: float32 if every weight is stored F32, else bfloat16).")
     add("--kv-cache-dtype", type=str, default=d["kv_cache_dtype"].default, choices=DTYPES,
         help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
              "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every mode "

@@ -98,7 +98,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                              self.model_runner.device)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
-            from sglang_vericache.managers.tokenizer_manager import load_tokenizer
+            from sglang_vericache.utils.hf_tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(server_args)
         self.eos_token_ids = set(mc.eos_token_ids)

@@ -40,6 +40,7 @@ from sglang_vericache.managers.scheduler_launcher import start_scheduler, wait_s
 from sglang_vericache.managers.tokenizer_requests import TokenizerRequestsMixin
 from sglang_vericache.managers.watchdog import describe_exit
 from sglang_vericache.server_args import PortArgs, ServerArgs
+from sglang_vericache.utils.hf_tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,6 @@ def _resolve_next(waiters: deque, msg: Any) -> None:
         fut = waiters.popleft()
         if not fut.done():
             fut.set_result(msg)
-
-
-def load_tokenizer(server_args: ServerArgs):
-    from transformers import AutoTokenizer
-
-    remote = server_args.trust_remote_code
-    return AutoTokenizer.from_pretrained(server_args.tokenizer_path, trust_remote_code=remote)
 
 
 class TokenizerManager(TokenizerRequestsMixin):

@@ -82,7 +82,7 @@ class TwoTierKV:
 
             tokenizer = None
             if not args.skip_tokenizer_init:
-                from sglang_vericache.managers.tokenizer_manager import load_tokenizer
+                from sglang_vericache.utils.hf_tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(args)
             self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),

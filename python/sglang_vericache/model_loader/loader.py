@@ -1,5 +1,6 @@
-"""Build a model from a local HF folder: construct without initializing, then fill from safetensors
-(load_format auto / safetensors) or with seeded random weights from config.json alone (dummy)."""
+"""Build a model from a local HF folder or GGUF file: construct without initializing, then fill from
+safetensors (load_format safetensors), a GGUF file (gguf; model_loader/gguf_loader.py), whichever the
+path holds (auto), or with seeded random weights from the config alone (dummy)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -65,8 +66,17 @@ def load_model(
     initializes them), from `seed` -- for benchmarking a model's shape without its checkpoint."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    gguf_file = model_config.gguf_file
+    if load_format == "auto":
+        load_format = "gguf" if gguf_file else "safetensors"
+    if load_format == "gguf" and not gguf_file:
+        raise ValueError(f"--load-format gguf needs --model-path naming a .gguf file (or a folder holding one "
+                         f"and no config.json); {model_config.model_path!r} is a Hugging Face folder")
+    if load_format == "safetensors" and gguf_file:
+        raise ValueError(f"--load-format safetensors, but --model-path {model_config.model_path!r} is a GGUF "
+                         f"checkpoint: pass --load-format gguf (or auto)")
     cls = get_model_class(model_config.architecture)
-    if load_format != "dummy":
+    if load_format == "safetensors":
         safetensors_files(model_config.model_path)  # fail before building anything
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model = cls(model_config.hf_config, context_len=model_config.context_len)
@@ -75,6 +85,10 @@ def load_model(
         model.tie_weights()  # to_empty may have split the shared parameter
     if load_format == "dummy":
         init_dummy_weights(model, getattr(model_config.hf_config, "initializer_range", 0.02), seed)
+    elif load_format == "gguf":
+        from sglang_vericache.model_loader.gguf_loader import hf_weight_names, iterate_gguf
+
+        model.load_weights(iterate_gguf(gguf_file, hf_weight_names(model), model_config.hf_config))
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
     return model.eval()
