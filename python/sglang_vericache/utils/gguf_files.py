@@ -119,8 +119,9 @@ def check_tensor_table(path: str, table: list[TensorEntry], size: int) -> None:
 # ---- the cache folder ---------------------------------------------------------------------------
 
 def cache_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "sglang_vericache", "gguf")
+    from sglang_vericache.utils.default_model import cache_dir as vericache_cache
+
+    return str(vericache_cache() / "gguf")
 
 
 def cache_dir(gguf_path: str) -> str:
