@@ -174,11 +174,11 @@ void micro(const float* __restrict x, int64_t ldx, const char* __restrict w, int
 
 using MicroFn = void (*)(const float*, int64_t, const char*, int64_t, int64_t, float*);
 
-// Panels per microkernel call for a tile of R rows: enough independent accumulations to hide the
-// fused multiply-add latency, within the vector registers.
+// Panels per microkernel call (1, 2 or 4) for a tile of R rows: enough independent accumulations to
+// hide the fused multiply-add latency, within the vector registers.
 inline int panels_for(int64_t R) {
-  const int64_t most = std::max<int64_t>(1, (VREGS * 3 / 4) / R);
-  return static_cast<int>(std::min<int64_t>({most, 4, R <= 2 ? 4 : 2}));
+  const int64_t most = std::min<int64_t>((VREGS * 3 / 4) / R, R <= 2 ? 4 : 2);
+  return most >= 4 ? 4 : most >= 2 ? 2 : 1;
 }
 
 template <int E, int R>
