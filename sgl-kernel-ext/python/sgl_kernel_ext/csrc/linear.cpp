@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 // LIN_FORCE_SCALAR (tests): the scalar fallback on any CPU, registered as LIN_NS.
 #ifndef LIN_NS
@@ -211,11 +212,29 @@ inline void write_row(const float* acc, const float* bias, T* y, int64_t n) {
   }
 }
 
+// Rows [m0, m1) of x as float32 (exact): a pointer into x when it is float32, else converted into buf.
+inline const float* rows_as_float(const at::Tensor& x, int64_t m0, int64_t m1, std::vector<float>& buf) {
+  const int64_t K = x.size(1);
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>() + m0 * K;
+  buf.resize((m1 - m0) * K);
+  const int64_t n = (m1 - m0) * K;
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m0 * K;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(&buf[i], &bits, sizeof(float));
+    }
+  } else {
+    const c10::Half* src = x.data_ptr<c10::Half>() + m0 * K;
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  }
+  return buf.data();
+}
+
 template <int E>
-void linear_kernel(const at::Tensor& xf, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y) {
-  const int64_t M = xf.size(0), K = xf.size(1), NP = packed.size(0), N = y.size(1);
+void linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), NP = packed.size(0), N = y.size(1);
   constexpr int64_t es = elem_size<E>();
-  const float* xp = xf.data_ptr<float>();
   const char* wp = static_cast<const char*>(packed.data_ptr());
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   const int64_t pstride = K * NR;
@@ -223,24 +242,32 @@ void linear_kernel(const at::Tensor& xf, const at::Tensor& packed, const at::Ten
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t ysize = y.element_size();
   // Work item = (a block of up to MB rows, a group of panels); rows-major, so a thread's run of items
-  // reuses its x block over consecutive panels. Decode-sized M: one block, panel groups only.
+  // reuses its x block (converted to float32 once per run) over consecutive panels. Decode-sized M:
+  // one block, panel groups only. Small products run on one thread (a parallel region costs more).
   const int64_t n_mb = (M + MB - 1) / MB;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = M * K * NP * NR < (int64_t{1} << 17) ? 1 : at::get_num_threads();
   int64_t group = std::max<int64_t>(1, NP / std::max<int64_t>(1, (threads * 4 + n_mb - 1) / n_mb));
   group = std::min<int64_t>(group, 16);
   const int64_t n_pg = (NP + group - 1) / group;
-  at::parallel_for(0, n_mb * n_pg, 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[MR * 4 * NR];
+    std::vector<float> xbuf;
+    int64_t x_mb = -1;
+    const float* xb = nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mb = item / n_pg, pg = item % n_pg;
       const int64_t m0 = mb * MB, m1 = std::min(M, m0 + MB);
       const int64_t p0 = pg * group, p1 = std::min(NP, p0 + group);
+      if (mb != x_mb) {
+        xb = rows_as_float(x, m0, m1, xbuf);
+        x_mb = mb;
+      }
       for (int64_t t0 = m0; t0 < m1; t0 += MR) {
         const int64_t R = std::min<int64_t>(MR, m1 - t0);
         const int npan_full = panels_for(R);
         for (int64_t p = p0; p < p1;) {
           const int npan = p + npan_full <= p1 ? npan_full : 1;
-          pick<E>(R, npan)(xp + t0 * K, K, wp + p * pstride * es, pstride, K, acc);
+          pick<E>(R, npan)(xb + (t0 - m0) * K, K, wp + p * pstride * es, pstride, K, acc);
           for (int64_t r = 0; r < R; ++r)
             for (int q = 0; q < npan; ++q) {
               const int64_t n0 = (p + q) * NR, n = std::min(NR, N - n0);
@@ -258,7 +285,12 @@ void linear_kernel(const at::Tensor& xf, const at::Tensor& packed, const at::Ten
         }
       }
     }
-  });
+  };
+  if (threads == 1) {
+    work(0, n_mb * n_pg);
+  } else {
+    at::parallel_for(0, n_mb * n_pg, 1, work);
+  }
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t N,
@@ -274,14 +306,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
               "packed_linear: bias must be float32 [N] (or empty)");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
               "packed_linear: out_dtype must be float32, bfloat16 or float16");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bfloat16 / float16 inputs
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "packed_linear: x must be float32, bfloat16 or float16");
+  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(out_dtype));
   if (y.numel() == 0) return y;
   if (x.size(1) == 0) return bias.numel() ? bias.expand({x.size(0), N}).to(out_dtype) : y.zero_();
   switch (packed.scalar_type()) {
-    case at::kFloat: linear_kernel<F32>(xf, packed, bias, y); break;
-    case at::kBFloat16: linear_kernel<BF16>(xf, packed, bias, y); break;
-    case at::kHalf: linear_kernel<F16>(xf, packed, bias, y); break;
+    case at::kFloat: linear_kernel<F32>(xc, packed, bias, y); break;
+    case at::kBFloat16: linear_kernel<BF16>(xc, packed, bias, y); break;
+    case at::kHalf: linear_kernel<F16>(xc, packed, bias, y); break;
     default: TORCH_CHECK(false, "packed_linear: the weight must be float32, bfloat16 or float16");
   }
   return y;
