@@ -138,6 +138,8 @@ def main() -> None:
                         "SDPA).")
     p.add_argument("--transformers", action="store_true",
                    help="Also measure Hugging Face transformers' decode on the same model and dtype (interleaved).")
+    p.add_argument("--transformers-max-batch", type=int, default=1,
+                   help="Largest batch size transformers is measured at (its CPU prefill is slow in half precision).")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's).")
     p.add_argument("--out", default="benchmark/results/decode_throughput.json", help="Where to write JSON (and "
                    "the table beside it as .md).")
@@ -156,13 +158,14 @@ def main() -> None:
     rows = []
     for bs in args.batch_sizes:
         runs = {path: [] for path in args.decode_attention}
-        if args.transformers:
+        with_hf = args.transformers and bs <= args.transformers_max_batch
+        if with_hf:
             runs["transformers"] = []
         for seed in tqdm(range(args.repeats), desc=f"batch {bs}"):
             for path in args.decode_attention:
                 backend.kernel_decode = None if path == "kernel" else False  # None: decided at the next DECODE
                 runs[path].append(decode_tokens_per_s(sched, bs, args.input_len, args.output_len, seed))
-            if args.transformers:
+            if with_hf:
                 runs["transformers"].append(transformers_decode_tok_s(
                     args.model_path, args.dtype, bs, args.input_len, args.output_len, sched.vocab_size, seed))
         step_bytes = weights + kv_bytes_per_step(mc, sched.model_runner.kv_dtype, bs,
