@@ -88,3 +88,16 @@ def test_vericache_equals_full_with_either_policy(llama, half_gemm_policy):
                  vericache_schedule="lockstep")
     assert rounds > 0 and len(full) == 3 and all(len(ids) == 16 for ids, _ in full)
     assert full == vc
+
+
+def test_float32_copies_only_with_deterministic_inference_off(llama):
+    """--cpu-half-gemm float32 gives the float32 copies when deterministic inference is off; by default its
+    packed kernel reads the bfloat16 weights themselves."""
+    off = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+                               cpu_half_gemm="float32", enable_deterministic_inference=False)).model_runner
+    assert off.half_gemm_float32 and off.batch_invariant_mode is None
+    assert all(m.gemm_weight is not None and m.packed is None for m in half_gemm.linear_modules(off.model))
+    on = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+                              cpu_half_gemm="float32")).model_runner
+    assert not on.half_gemm_float32 and on.batch_invariant_linear_name() == "packed x16"
+    assert all(m.packed.dtype == torch.bfloat16 and m.gemm_weight is None for m in half_gemm.linear_modules(on.model))
