@@ -24,5 +24,6 @@ fi
 # ~/.cache/torch_extensions) rather than on the first server start.
 .venv/bin/python -c "from sgl_kernel_ext import cpu_attention; cpu_attention.load()"
 .venv/bin/python -c "from sgl_kernel_ext import cpu_draft_attention; cpu_draft_attention.load()"
+.venv/bin/python -c "from sgl_kernel_ext import cpu_linear; cpu_linear.load()"
 .venv/bin/python -c "import torch, sglang_vericache; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
