@@ -65,6 +65,41 @@ def forward_rates(r, n_prompt_tokens: int) -> tuple[float, float]:
     return n_prompt_tokens / sum(fs.get("EXTEND", [0.0]) or [1e-9]), decode_tokens / max(sum(fs.get("DECODE", [])), 1e-9)
 
 
+def write_report(a, models, samples, outputs, repeats_done: int) -> None:
+    """Medians of the runs so far, written after every repeat (a cut-short run keeps what it measured)."""
+    rows, report = [], {"machine": machine(), "repeats": repeats_done, "dtype": a.dtype, "input_len": a.input_len,
+                        "output_len": a.output_len, "results": []}
+    for name, _, _, _ in models:
+        for bs in a.batch_sizes:
+            for mode in a.modes:
+                off = [statistics.median(x[i] for x in samples[(name, bs, mode, False)]) for i in range(3)]
+                on = [statistics.median(x[i] for x in samples[(name, bs, mode, True)]) for i in range(3)]
+                ref = outputs[(name, a.batch_sizes[0], "full", True)]
+                got = outputs[(name, bs, mode, True)]
+                same = got == ref[: len(got)] if bs <= len(ref) else got[: len(ref)] == ref
+                ratios = [x / y for x, y in zip(on, off)]
+                report["results"].append({
+                    "model": name, "batch_size": bs, "mode": mode,
+                    "prefill_tok_s_off": off[0], "prefill_tok_s_on": on[0], "prefill_ratio": ratios[0],
+                    "decode_tok_s_off": off[1], "decode_tok_s_on": on[1], "decode_ratio": ratios[1],
+                    "total_tok_s_off": off[2], "total_tok_s_on": on[2], "total_ratio": ratios[2],
+                    "samples_off": samples[(name, bs, mode, False)], "samples_on": samples[(name, bs, mode, True)],
+                    "outputs_equal_smallest_batch_deterministic_full": same})
+                rows.append(f"| {name} | {bs} | {mode} | {off[0]:.1f} | {on[0]:.1f} | {ratios[0]:.2f} | {off[1]:.1f} | "
+                            f"{on[1]:.1f} | {ratios[1]:.2f} | {ratios[2]:.2f} | {'yes' if same else 'NO'} |")
+    table = "\n".join([
+        f"# Deterministic inference: cost (greedy, all requests at once, tokens/s, median of {repeats_done})", "",
+        f"Machine: {report['machine']}", "",
+        f"Command: `PYTHONPATH=python:sgl-kernel-ext/python .venv/bin/python {shlex.join(['benchmark/bench_determinism.py', *sys.argv[1:]])}`", "",
+        f"{a.dtype}; each request {a.input_len} prompt + {a.output_len} output tokens. off: "
+        "--disable-deterministic-inference; on: the default. Prefill and decode: tokens over the seconds of "
+        "those forwards; total: output tokens over the wall time.", "",
+        "| model | batch | mode | prefill off | prefill on | on / off | decode off | decode on | on / off | "
+        "total on / off | output == batch-1 deterministic full |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
+    write_results(a.out, report, table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="Runs per cell; the median is reported.")
@@ -111,37 +146,8 @@ def main() -> None:
                 outputs[key] = r.outputs
                 bar.update()
 
-    rows, report = [], {"machine": machine(), "repeats": a.repeats, "dtype": a.dtype, "input_len": a.input_len,
-                        "output_len": a.output_len, "results": []}
-    for name, _, _, _ in models:
-        for bs in a.batch_sizes:
-            for mode in a.modes:
-                off = [statistics.median(x[i] for x in samples[(name, bs, mode, False)]) for i in range(3)]
-                on = [statistics.median(x[i] for x in samples[(name, bs, mode, True)]) for i in range(3)]
-                ref = outputs[(name, a.batch_sizes[0], "full", True)]
-                got = outputs[(name, bs, mode, True)]
-                same = got == ref[: len(got)] if bs <= len(ref) else got[: len(ref)] == ref
-                ratios = [x / y for x, y in zip(on, off)]
-                report["results"].append({
-                    "model": name, "batch_size": bs, "mode": mode,
-                    "prefill_tok_s_off": off[0], "prefill_tok_s_on": on[0], "prefill_ratio": ratios[0],
-                    "decode_tok_s_off": off[1], "decode_tok_s_on": on[1], "decode_ratio": ratios[1],
-                    "total_tok_s_off": off[2], "total_tok_s_on": on[2], "total_ratio": ratios[2],
-                    "samples_off": samples[(name, bs, mode, False)], "samples_on": samples[(name, bs, mode, True)],
-                    "outputs_equal_smallest_batch_deterministic_full": same})
-                rows.append(f"| {name} | {bs} | {mode} | {off[0]:.1f} | {on[0]:.1f} | {ratios[0]:.2f} | {off[1]:.1f} | "
-                            f"{on[1]:.1f} | {ratios[1]:.2f} | {ratios[2]:.2f} | {'yes' if same else 'NO'} |")
-    table = "\n".join([
-        f"# Deterministic inference: cost (greedy, all requests at once, tokens/s, median of {a.repeats})", "",
-        f"Machine: {report['machine']}", "",
-        f"Command: `PYTHONPATH=python:sgl-kernel-ext/python .venv/bin/python {shlex.join(['benchmark/bench_determinism.py', *sys.argv[1:]])}`", "",
-        f"{a.dtype}; each request {a.input_len} prompt + {a.output_len} output tokens. off: "
-        "--disable-deterministic-inference; on: the default. Prefill and decode: tokens over the seconds of "
-        "those forwards; total: output tokens over the wall time.", "",
-        "| model | batch | mode | prefill off | prefill on | on / off | decode off | decode on | on / off | "
-        "total on / off | output == batch-1 deterministic full |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
-    write_results(a.out, report, table)
+            write_report(a, models, samples, outputs, rep + 1)
+
 
 
 if __name__ == "__main__":
