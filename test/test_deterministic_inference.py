@@ -1,4 +1,4 @@
-"""--enable-deterministic-inference: a prompt's output (tokens and logprobs) is one function of
+"""Deterministic inference (the default; --enable-deterministic-inference): a prompt's output (tokens and logprobs) is one function of
 (checkpoint, prompt, seed), bitwise, in bfloat16, float16 and float32: alone or among 32
 mixed-length concurrent requests, chunked prefill 64 or 512, prefix-cache hit or miss, 1 or 2
 threads; and VeriCache (every compressor, lock-step and staggered) and lossy-mode-independent
@@ -33,7 +33,6 @@ def random_prompts(lens, seed, vocab=400):
 
 def scheduler(path, dtype, **server) -> Scheduler:
     server.setdefault("page_size", 8)
-    server.setdefault("enable_deterministic_inference", True)
     return Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, **server))
 
 
@@ -144,11 +143,18 @@ def test_bundled_model_vericache_equals_full_in_bfloat16():
         assert_identical(full, outputs(vc, prompts, crowd=crowd(8)), compressor)
 
 
-def test_vericache_is_deterministic_by_default_and_full_mode_on_request():
-    assert ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE").enable_deterministic_inference
-    assert ServerArgs(kv_compressor="snapkv").enable_deterministic_inference
-    assert not ServerArgs(kv_compressor="snapkv", enable_deterministic_inference=False).enable_deterministic_inference
-    assert ServerArgs(disagg_role="verifier", disagg_port=31999).enable_deterministic_inference
+def test_deterministic_by_default_in_every_mode_and_off_on_request():
+    for server in ({}, dict(kv_compressor="snapkv", speculative_algorithm="VERICACHE"), dict(kv_compressor="snapkv"),
+                   dict(kv_offload=True), dict(disagg_role="verifier", disagg_port=31999),
+                   dict(kv_compressor="int8", speculative_algorithm="VERICACHE", disagg_role="drafter",
+                        verifier_addr="tcp://127.0.0.1:31999"),
+                   dict(tp_size=2), dict(device="cuda", attention_backend="triton")):
+        assert ServerArgs(**server).enable_deterministic_inference is True, server
+    assert ServerArgs(enable_deterministic_inference=True).enable_deterministic_inference is True
+    for server in (dict(enable_deterministic_inference=False),
+                   dict(kv_compressor="snapkv", enable_deterministic_inference=False),
+                   dict(attention_backend="flashinfer"), dict(device="cuda")):  # no batch-invariant kernels there
+        assert ServerArgs(**server).enable_deterministic_inference is False, server
     with pytest.raises(ValueError, match="not available with --attention-backend flashinfer"):
         ServerArgs(enable_deterministic_inference=True, attention_backend="flashinfer")
     with pytest.raises(ValueError, match="on CUDA needs --attention-backend triton"):
@@ -156,10 +162,25 @@ def test_vericache_is_deterministic_by_default_and_full_mode_on_request():
     assert ServerArgs(enable_deterministic_inference=True, attention_backend="triton").enable_deterministic_inference
 
 
+def test_command_line_default_and_opt_out():
+    from sglang_vericache.server_args import prepare_server_args
+
+    assert prepare_server_args(["--model-path", "m"]).enable_deterministic_inference is True
+    assert prepare_server_args(["--model-path", "m", "--enable-deterministic-inference"]).enable_deterministic_inference
+    for flag in ("--disable-deterministic-inference", "--no-enable-deterministic-inference"):
+        assert prepare_server_args(["--model-path", "m", flag]).enable_deterministic_inference is False
+
+
+def test_opting_out_warns_that_outputs_may_change_with_batch_composition(checkpoints, caplog):
+    with caplog.at_level("WARNING"):
+        scheduler(checkpoints["llama"], "float32", enable_deterministic_inference=False)
+    assert any("outputs may change with batch composition" in r.getMessage() for r in caplog.records)
+
+
 def test_server_info_says_whether_it_is_on(checkpoints):
     on = scheduler(checkpoints["llama"], "float32").ready_message().server_info
     off = scheduler(checkpoints["llama"], "float32", enable_deterministic_inference=False).ready_message().server_info
-    assert on["enable_deterministic_inference"] is True and on["batch_invariant_linear"] is not None
+    assert on["enable_deterministic_inference"] is True and on["batch_invariant_linear"] == "packed x16"
     assert off["enable_deterministic_inference"] is False and off["batch_invariant_linear"] is None
 
 

@@ -1,8 +1,8 @@
-"""A user's view of --enable-deterministic-inference: the bundled model served in bfloat16 (its
-default dtype) gives every prompt the same tokens and logprobs when asked alone and when asked
+"""A user's view of deterministic inference, the default: the bundled model served without any
+deterministic flag, in bfloat16 (its default dtype), gives every prompt the same tokens and logprobs when asked alone and when asked
 among 18 concurrent requests, 4 of them aborted mid-stream and 4 malformed (the in-process tests
 check 32 concurrent requests); a VeriCache server's
-output equals the deterministic full-mode server's."""
+output equals the full-mode server's (neither started with a deterministic flag)."""
 
 from __future__ import annotations
 
@@ -67,13 +67,14 @@ def under_load(url, prompts):
 
 @pytest.fixture(scope="module")
 def full_server(server):
-    return server(bundled_model_path(), "--dtype", "bfloat16", "--enable-deterministic-inference")
+    return server(bundled_model_path(), "--dtype", "bfloat16")  # deterministic by default: no flag
 
 
 def test_full_mode_alone_equals_under_load_with_aborts_and_bad_input(full_server):
     url = full_server.base_url
     info = requests.get(url + "/server_info", timeout=10).json()
     assert info["enable_deterministic_inference"] is True and info["dtype"] == "bfloat16"
+    assert info["batch_invariant_linear"] == "packed x16"
     alone = [generate(url, p) for p in targets()]
     assert under_load(url, targets()) == alone
 

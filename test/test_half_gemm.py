@@ -70,12 +70,14 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("half_gemm_policy", ["native", "float32"])
-def test_vericache_equals_full_with_either_products(llama, half_gemm_policy):
-    """Whichever products the CPU runs, VeriCache's output (tokens and logprobs) is full mode's."""
+def test_vericache_equals_full_with_either_policy(llama, half_gemm_policy):
+    """Under deterministic inference the policy changes nothing (its kernel reads the weights in their
+    dtype: no float32 copies), and VeriCache's output (tokens and logprobs) is full mode's."""
     def run(**server):
         sched = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
                                      enable_deterministic_inference=True, cpu_half_gemm=half_gemm_policy, **server))
-        assert sched.model_runner.half_gemm_float32 == (half_gemm_policy == "float32")
+        assert not sched.model_runner.half_gemm_float32
+        assert all(m.gemm_weight is None and m.packed is not None for m in half_gemm.linear_modules(sched.model_runner.model))
         g = torch.Generator().manual_seed(5)
         reqs = [make_request(f"t{i}", torch.randint(3, 400, (n,), generator=g).tolist(), return_logprob=True,
                              max_new_tokens=16, ignore_eos=True, temperature=0.0) for i, n in enumerate((9, 70, 130))]
@@ -86,3 +88,16 @@ def test_vericache_equals_full_with_either_products(llama, half_gemm_policy):
                  vericache_schedule="lockstep")
     assert rounds > 0 and len(full) == 3 and all(len(ids) == 16 for ids, _ in full)
     assert full == vc
+
+
+def test_float32_copies_only_with_deterministic_inference_off(llama):
+    """--cpu-half-gemm float32 gives the float32 copies when deterministic inference is off; by default its
+    packed kernel reads the bfloat16 weights themselves."""
+    off = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+                               cpu_half_gemm="float32", enable_deterministic_inference=False)).model_runner
+    assert off.half_gemm_float32 and off.batch_invariant_mode is None
+    assert all(m.gemm_weight is not None and m.packed is None for m in half_gemm.linear_modules(off.model))
+    on = Scheduler(ServerArgs(model_path=llama, dtype="bfloat16", skip_tokenizer_init=True, page_size=8,
+                              cpu_half_gemm="float32")).model_runner
+    assert not on.half_gemm_float32 and on.batch_invariant_linear_name() == "packed x16"
+    assert all(m.packed.dtype == torch.bfloat16 and m.gemm_weight is None for m in half_gemm.linear_modules(on.model))

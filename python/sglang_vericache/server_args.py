@@ -106,8 +106,9 @@ class ServerArgs(ServerArgsChecks):
 
     # Sampling defaults.
     random_seed: int = 0
-    # Batch-invariant arithmetic (layers/batch_invariant.py): None = auto, on in the two-tier modes
-    # (whose output is defined as deterministic full mode's) on a CPU; resolved in __post_init__.
+    # Batch-invariant arithmetic (layers/batch_invariant.py): None = the default, on in every mode wherever
+    # the backend has batch-invariant kernels (deterministic_default); resolved in __post_init__.
+    # False: --disable-deterministic-inference.
     enable_deterministic_inference: bool | None = None
 
     # Attention.
@@ -147,9 +148,16 @@ class ServerArgs(ServerArgsChecks):
             self.served_model_name = self.model_path
         self.validate()
         if self.enable_deterministic_inference is None:
-            self.enable_deterministic_inference = (
-                (self.kv_mode != "full" or self.disagg_role == "verifier")
-                and not self.device.startswith("cuda") and self.attention_backend == "torch")
+            self.enable_deterministic_inference = self.deterministic_default()
+
+    def deterministic_default(self) -> bool:
+        """Deterministic inference unless asked otherwise: on the torch backend on a CPU (the C++
+        batch-invariant linear and attention kernels) and on the triton backend on CUDA (Triton matmul and
+        fixed-split attention); off on flashinfer (no batch-invariant kernels), the torch backend on CUDA,
+        and the triton backend on a CPU (TRITON_INTERPRET, a test vehicle where the Triton matmul would run
+        interpreted)."""
+        cuda = self.device.startswith("cuda")
+        return (self.attention_backend == "torch" and not cuda) or (self.attention_backend == "triton" and cuda)
 
     @property
     def kv_mode(self) -> str:

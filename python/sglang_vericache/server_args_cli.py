@@ -172,24 +172,32 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--random-seed", type=int, default=d["random_seed"].default,
         help="Seed for the server's random choices (seeds of unseeded requests).")
     add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
-        help="Batch-invariant inference: every token row is computed by the same arithmetic whatever "
-             "shares its batch (fixed-block matrix products, attention reduced in fixed chunks of keys), "
-             "so a prompt's output (tokens and logprobs) is the same alone or under load, chunked or "
-             "not, cache hit or miss, and VeriCache / lossy output equals deterministic full mode's "
-             "bitwise in every dtype. Backends: torch (CPU) and triton (CUDA, or a CPU under "
-             "TRITON_INTERPRET=1: Triton matmul and fixed-split attention; no CUDA graphs), not flashinfer. "
-             "Default: on with --kv-compressor (VeriCache and lossy modes) with the torch backend on a CPU, "
-             "off otherwise; --no-enable-deterministic-inference turns it off.")
+        help="Batch-invariant inference (the default): every token row is computed by the same arithmetic "
+             "whatever shares its batch (linear layers as one float32 accumulation per output in a fixed "
+             "order, attention reduced in fixed chunks of keys), so a prompt's output (tokens and logprobs) "
+             "is the same alone or under load, chunked or not, cache hit or miss, and VeriCache / lossy "
+             "output equals full mode's bitwise in every dtype. Default: on with the torch backend on a CPU "
+             "and the triton backend on CUDA (Triton matmul and fixed-split attention; no CUDA graphs); off "
+             "on flashinfer. Accepted for SGLang command lines; --disable-deterministic-inference (or "
+             "--no-enable-deterministic-inference) turns it off.")
+    add("--disable-deterministic-inference", dest="enable_deterministic_inference", action="store_const",
+        const=False, default=None,
+        help="Turn deterministic inference off (default: on, see --enable-deterministic-inference): library "
+             "matrix products (and CUDA graphs), faster on some machines, but outputs may then change with "
+             "batch composition and VeriCache / lossy output need not equal full mode's (a startup warning "
+             "says so).")
     add("--attention-backend", type=str, default=d["attention_backend"].default,
         help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
              "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
     add("--num-threads", type=int, default=None, help="torch intra-op threads in the scheduler process.")
     add("--cpu-half-gemm", type=str, default=d["cpu_half_gemm"].default, choices=("auto", "native", "float32"),
-        help="How bfloat16 / float16 linear layers multiply on a CPU: native (torch's half GEMM); float32 "
+        help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
+             "native (torch's half GEMM); float32 "
              "(each weight also kept in float32, 4 more bytes per parameter; products accumulated in float32 "
              "and rounded once to the model dtype, 4-7x faster on CPUs without AVX512-BF16/AMX); auto "
              "(float32 on a CPU without half-precision dot products while the copies take under a quarter "
-             "of free memory). Every mode uses the same products, so VeriCache still equals full mode.")
+             "of free memory). Ignored under deterministic inference, whose kernel reads the weights in their "
+             "own dtype.")
     add("--disable-cuda-graph", action="store_true",
         help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
              "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "

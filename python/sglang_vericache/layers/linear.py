@@ -1,5 +1,8 @@
-"""Linear: nn.Linear that computes rows batch-invariantly once `batch_invariant_mode` is set, and
-through float32 products once it holds float32 copies of its weights (layers/half_gemm.py)."""
+"""Linear: nn.Linear whose products go, once switched, through a batch-invariant kernel: on a CPU
+sgl_kernel_ext.cpu_linear's packed kernel (`packed`, set by batch_invariant.enable_batch_invariance;
+the weight packed once in its stored dtype), on the triton backend batch_invariant_matmul
+(`batch_invariant_mode`). Otherwise F.linear, through float32 copies of the weights once
+layers/half_gemm.py gave them (`gemm_weight`, with deterministic inference off)."""
 
 from __future__ import annotations
 
@@ -11,18 +14,24 @@ from sglang_vericache.layers import batch_invariant
 
 
 class Linear(nn.Linear):
-    batch_invariant_mode: tuple[str, int] | None = None  # None: F.linear; else a batch_invariant.MODES entry
+    batch_invariant_mode: tuple[str, int] | None = None  # None: F.linear; else batch_invariant.TRITON_MODE
+    packed: torch.Tensor | None = None  # cpu_linear.pack_weight(weight): the CPU batch-invariant kernel's operand
+    packed_bias: torch.Tensor | None = None  # the bias in float32, beside `packed`
     gemm_weight: torch.Tensor | None = None  # half_gemm: the weight in float32 (None: products in its dtype)
     gemm_bias: torch.Tensor | None = None
 
     def matmul_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The (weight, bias) the products are computed with."""
+        """The (weight, bias) F.linear's products are computed with."""
         if self.gemm_weight is not None:
             return self.gemm_weight, self.gemm_bias
         return self.weight, self.bias
 
     def matmul(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        """x @ W^T (+ b), in the weights' product dtype, rounded to x's dtype."""
+        """x @ W^T (+ b), rounded to x's dtype: with `packed`, one float32 accumulation per output in
+        k order; else in the weights' product dtype."""
+        if self.packed is not None:
+            return batch_invariant.packed_linear(x, self.packed, self.packed_bias if with_bias else None,
+                                                 self.out_features)
         w, b = self.matmul_weights()
         b = b if with_bias else None
         xin = x if x.dtype == w.dtype else x.to(w.dtype)

@@ -66,10 +66,16 @@ class ModelRunner:
 
     def init_half_gemm(self) -> bool:
         """--cpu-half-gemm: half-precision linear layers through float32 products (layers/half_gemm.py);
-        -> whether they are. Not with the triton backend (its own matmul kernel)."""
+        -> whether they are. Only with deterministic inference off (its CPU kernel multiplies the stored
+        dtype in float32 already) and not with the triton backend (its own matmul kernel)."""
         from sglang_vericache.layers import half_gemm
 
         args = self.server_args
+        if args.enable_deterministic_inference:
+            if args.cpu_half_gemm == "float32":
+                logger.info("--cpu-half-gemm float32: not needed under deterministic inference (its CPU linear "
+                            "kernel accumulates half-precision weights in float32, without copies)")
+            return False
         if args.attention_backend == "triton" or not half_gemm.use_float32(self.model, args.cpu_half_gemm, self.device):
             return False
         nbytes = half_gemm.enable_float32_gemm(self.model)
@@ -78,10 +84,13 @@ class ModelRunner:
         return True
 
     def init_deterministic_inference(self) -> tuple[str, int] | None:
-        """--enable-deterministic-inference: batch-invariant linear layers and attention (built now, so
-        the first request does not wait for the kernel's compiler). -> the linear mode, or None."""
+        """Deterministic inference (on unless --disable-deterministic-inference): batch-invariant linear
+        layers and attention (built now, so the first request does not wait for the kernels' compiler).
+        -> the linear mode, or None."""
         if not self.server_args.enable_deterministic_inference:
-            logger.info("deterministic inference: off (outputs may differ in the last bits with batch composition)")
+            logger.warning("deterministic inference: OFF (--disable-deterministic-inference): outputs may change "
+                           "with batch composition (other requests, chunking, cache hits), and VeriCache / lossy "
+                           "output need not equal full mode's")
             return None
         from sglang_vericache.layers.batch_invariant import enable_batch_invariance, uses_triton_row_kernels
 
@@ -97,12 +106,13 @@ class ModelRunner:
 
         cpu_attention.load()
         mode = enable_batch_invariance(self.model)
-        logger.info("deterministic inference: on (matrix products: %s, %d-row blocks; fixed-chunk attention)",
-                    *mode)
+        logger.info("deterministic inference: on (linear layers: packed float32-accumulation kernel; fixed-chunk "
+                    "attention); --disable-deterministic-inference turns it off")
         return mode
 
     def batch_invariant_linear_name(self) -> str | None:
-        """/server_info's name for the linear mode: "padded x4", "triton" (batch_invariant_matmul), or None."""
+        """/server_info's name for the linear mode: "packed x16" (cpu_linear), "triton" (batch_invariant_matmul),
+        or None."""
         mode = self.batch_invariant_mode
         if mode is None:
             return None
@@ -197,8 +207,8 @@ class ModelRunner:
                         args.attention_backend)
             return None
         if args.enable_deterministic_inference:
-            logger.info("CUDA graphs: not captured under --enable-deterministic-inference (its attention "
-                        "plans per forward); decode runs eagerly")
+            logger.info("CUDA graphs: not captured under deterministic inference (its attention plans per "
+                        "forward); decode runs eagerly (--disable-deterministic-inference captures them)")
             return None
         return CudaGraphRunner(self)
 

@@ -100,6 +100,9 @@ def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ())
             return
         _clear_stale_lock(build_dir / "lock")
         flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *extra_cflags]
+        logger.info("building the CPU kernel %s for this CPU (once; cached in %s): about a minute", source.name,
+                    build_dir)
+        start = time.perf_counter()
         try:
             load_extension(
                 name=name,
@@ -114,6 +117,7 @@ def build_library(source: Path, prefix: str, extra_cflags: tuple[str, ...] = ())
                 f"could not build the CPU kernel {source.name} with torch.utils.cpp_extension: {exc}. "
                 "It needs g++ and the Python headers (Debian: apt-get install g++ python3-dev)"
             ) from exc
+        logger.info("built the CPU kernel %s in %.0f s", source.name, time.perf_counter() - start)
         _loaded.add(key)
 
 
