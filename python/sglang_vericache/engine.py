@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from sglang_vericache.launch_server import model_folder_error
 from sglang_vericache.managers.req_input import GenerateReqInput
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, with_kv_mode
 
 logger = logging.getLogger(__name__)
 _END = object()
@@ -28,7 +28,8 @@ class Engine:
 
         if model_path is not None:
             server_args_kwargs["model_path"] = model_path
-        self.server_args = ServerArgs(**server_args_kwargs)
+        kv_mode = server_args_kwargs.pop("kv_mode", None)  # --kv-mode: spelled out in the flags that make it
+        self.server_args = ServerArgs(**with_kv_mode(server_args_kwargs, kv_mode))
         self.server_args.log_flag_warnings()
         error = model_folder_error(self.server_args)
         if error:

@@ -248,7 +248,35 @@ class ServerArgs(ServerArgsChecks):
             value = getattr(args, f.name, None)
             if value is not None:
                 kwargs[f.name] = value
-        return cls(**kwargs)
+        return cls(**with_kv_mode(kwargs, getattr(args, "kv_mode", None)))
+
+
+KV_MODES = ("full", "offload", "lossy", "vericache")
+
+
+def with_kv_mode(kwargs: dict, kv_mode: str | None) -> dict:
+    """ServerArgs keyword arguments with --kv-mode spelled out in the flags that make each mode
+    (SGLang's --speculative-algorithm VERICACHE, --kv-offload); a flag that contradicts it is an error."""
+    if kv_mode is None:
+        return kwargs
+    if kv_mode not in KV_MODES:
+        raise ValueError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
+    compressor, algorithm = kwargs.get("kv_compressor"), kwargs.get("speculative_algorithm")
+    if kv_mode in ("full", "offload") and compressor:
+        raise ValueError(f"--kv-mode {kv_mode} keeps exact KV only: drop --kv-compressor {compressor} "
+                         "(or use --kv-mode lossy / vericache)")
+    if kv_mode in ("lossy", "vericache") and not compressor:
+        raise ValueError(f"--kv-mode {kv_mode} needs a --kv-compressor (e.g. snapkv, kivi4, int8)")
+    if kv_mode != "vericache" and algorithm:
+        raise ValueError(f"--speculative-algorithm {algorithm} is --kv-mode vericache, not {kv_mode}")
+    if kv_mode != "offload" and kwargs.get("kv_offload"):
+        raise ValueError(f"--kv-offload is --kv-mode offload, not {kv_mode}")
+    out = dict(kwargs)
+    if kv_mode == "vericache":
+        out["speculative_algorithm"] = algorithm or "VERICACHE"
+    elif kv_mode == "offload":
+        out["kv_offload"] = True
+    return out
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:

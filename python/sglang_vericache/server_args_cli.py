@@ -14,6 +14,7 @@ from sglang_vericache.server_args import (
     DTYPES,
     KV_STORE_KINDS,
     KV_STORE_TIERS,
+    KV_MODES,
     SCHEDULE_POLICIES,
     ServerArgs,
 )
@@ -67,6 +68,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
         help="Most prompt tokens in one prefill batch.")
     add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
+    add("--kv-mode", type=str, default=None, choices=KV_MODES,
+        help="full: exact KV on the accelerator (the reference). offload: exact KV in host memory, streamed in "
+             "every step. lossy: compressed KV only. vericache: draft over compressed KV, verify over exact KV "
+             "(output = full's, bitwise). lossy and vericache need --kv-compressor. Default: full, or what "
+             "--kv-compressor / --speculative-algorithm / --kv-offload imply.")
     add("--kv-compressor", type=str, default=None,
         help="KV compressor for the compressed tier: streamingllm, snapkv, pyramidkv, h2o, knorm, kivi2, "
              "kivi4, int8, fp8. Alone it serves from compressed KV (lossy); with "
