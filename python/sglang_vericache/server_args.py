@@ -139,6 +139,7 @@ class ServerArgs(ServerArgsChecks):
     log_requests: bool = False  # log each request on arrival and on finish
     decode_log_interval: int = 40  # decode iterations between the scheduler's "Decode batch." log lines
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
+    sampling_defaults: str = "model"  # model: unset OpenAI sampling knobs from generation_config; openai: OpenAI's
     watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
 
     def __post_init__(self) -> None:

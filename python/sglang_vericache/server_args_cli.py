@@ -269,5 +269,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
              "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
              "of a large model can take minutes.")
+    add("--sampling-defaults", type=str, default=d["sampling_defaults"].default, choices=("openai", "model"),
+        help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / repetition_penalty unset "
+             "gets: model: the checkpoint's generation_config.json (for the default model, its model card's "
+             "temperature 0.2, top_p 0.9), else OpenAI's; openai: OpenAI's (temperature 1, top_p 1).")
     add("--enable-cache-report", action="store_true",
         help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")

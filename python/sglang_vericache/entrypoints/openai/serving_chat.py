@@ -43,6 +43,7 @@ from sglang_vericache.entrypoints.openai.utils import (
     response_format_schema,
     sampling_params_of,
     sse,
+    unset_knobs,
     usage_of,
 )
 from sglang_vericache.managers.req_input import GenerateReqInput
@@ -120,11 +121,8 @@ def build_generate_input(tm: TokenizerManager, req: ChatCompletionRequest, plan:
     schema = plan.json_schema if constrained else response_format_schema(req.response_format)
     params = sampling_params_of(
         req, max_new, schema,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        **unset_knobs(req, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                            **tm.sampling_defaults}),
     )
     obj = GenerateReqInput(
         input_ids=input_ids,

@@ -24,6 +24,7 @@ from sglang_vericache.entrypoints.openai.utils import (
     response_format_schema,
     sampling_params_of,
     sse,
+    unset_knobs,
     usage_of,
 )
 from sglang_vericache.managers.req_input import GenerateReqInput
@@ -37,7 +38,8 @@ def _is_int_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def build_generate_input(req: CompletionRequest) -> tuple[GenerateReqInput, list[str | list[int]]]:
+def build_generate_input(req: CompletionRequest, sampling_defaults: dict | None = None,
+                         ) -> tuple[GenerateReqInput, list[str | list[int]]]:
     if req.suffix:
         raise InvalidRequest("suffix is not supported")
     if req.best_of not in (None, 1) and req.best_of != req.n:
@@ -53,8 +55,7 @@ def build_generate_input(req: CompletionRequest) -> tuple[GenerateReqInput, list
         raise InvalidRequest("prompt is empty")
     params = sampling_params_of(
         req, req.max_tokens, req.json_schema or response_format_schema(req.response_format),
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
+        **unset_knobs(req, sampling_defaults or {}),
     )
     return_logprob = req.logprobs is not None
     obj = GenerateReqInput(
@@ -94,7 +95,7 @@ def _choice_logprobs(req: CompletionRequest, meta: dict, echo_prefix: bool):
 
 
 async def serve_completion(tm: TokenizerManager, req: CompletionRequest, raw_request) -> Response:
-    obj, prompts = build_generate_input(req)
+    obj, prompts = build_generate_input(req, tm.sampling_defaults)
     gen = tm.generate_request(obj, raw_request)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

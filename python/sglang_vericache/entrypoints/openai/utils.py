@@ -108,6 +108,13 @@ def sampling_params_of(req, max_new_tokens: int | None, json_schema: str | None,
     }
 
 
+def unset_knobs(req, defaults: dict) -> dict:
+    """The request's temperature, top_p, top_k, min_p and repetition_penalty, each unset one from
+    defaults (--sampling-defaults), else left unset."""
+    return {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+
+
 def response_format_schema(response_format) -> str | None:
     if response_format is None or response_format.type == "text":
         return None
