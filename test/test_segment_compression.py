@@ -172,10 +172,9 @@ def test_generated_tokens_fold_past_the_recent_window(llama, monkeypatch):
 
     seen, fold = [], TwoTierKV.fold
 
-    def spy(self, req):
-        ok = fold(self, req)
-        seen.append((req.rid, len(req.origin_input_ids), req.kv_committed_len, len(req.comp_indices),
-                     req.kv_committed_len >= req.prefill_target_len()))
+    def spy(self, req, prefilling=False):
+        ok = fold(self, req, prefilling)
+        seen.append((req.rid, len(req.origin_input_ids), req.kv_committed_len, len(req.comp_indices), not prefilling))
         return ok
 
     monkeypatch.setattr(TwoTierKV, "fold", spy)

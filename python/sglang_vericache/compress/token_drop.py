@@ -151,6 +151,9 @@ def top_k_indices(scores: torch.Tensor, n: int) -> torch.Tensor:
     return order[..., :n].sort(dim=-1).values
 
 
+QUERY_BLOCK = 256  # queries scored at once over a segment
+
+
 def attention_mass_at(
     q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -160,12 +163,15 @@ def attention_mass_at(
     kvpress scores a context with its window's queries); float32."""
     num_heads_kv = k.shape[-2]
     group = q.shape[-2] // num_heads_kv
-    qf = q.float().unflatten(-2, (num_heads_kv, group)).permute(1, 2, 0, 3)  # [Hkv, G, W, D]
     kf = k.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, S]
-    logits = torch.matmul(qf, kf) * scale  # [Hkv, G, W, S]
-    mask = positions.to(k.device)[None, :] > q_positions.to(k.device)[:, None]  # [W, S] future keys
-    probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
-    return probs.sum(dim=(1, 2))
+    positions, q_positions = positions.to(k.device), q_positions.to(k.device)
+    total = torch.zeros(num_heads_kv, k.shape[0], dtype=torch.float32, device=k.device)
+    for lo in range(0, q.shape[0], QUERY_BLOCK):  # bounded memory: [Hkv, G, QUERY_BLOCK, S] at a time
+        qf = q[lo : lo + QUERY_BLOCK].float().unflatten(-2, (num_heads_kv, group)).permute(1, 2, 0, 3)  # [Hkv, G, w, D]
+        logits = torch.matmul(qf, kf) * scale  # [Hkv, G, w, S]
+        mask = positions[None, :] > q_positions[lo : lo + QUERY_BLOCK, None]  # [w, S] future keys
+        total += torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1).sum(dim=(1, 2))
+    return total
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:

@@ -149,13 +149,13 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ folding
 
-    def fold_end(self, req: Req) -> int:
+    def fold_end(self, req: Req, prefilling: bool = False) -> int:
         """Pages [0, end) that should be folded now (see the module docstring's scopes)."""
         ps, c = self.page_size, len(req.comp_indices)
         committed = req.kv_committed_len
         if not self.segment_scope:
             return committed // ps
-        if committed < req.prefill_target_len():
+        if prefilling:
             return c  # the prompt is folded whole once its prefill completes
         if c < len(req.origin_input_ids) // ps:
             return committed // ps  # the prompt (or a retracted request's prompt and outputs)
@@ -163,12 +163,12 @@ class TwoTierKV:
             return c
         return max(c, (committed - self.recent_window) // ps)
 
-    def fold(self, req: Req) -> bool:
-        """Compresses the whole committed pages past comp_indices that are due (fold_end). False if
-        the pool is full."""
+    def fold(self, req: Req, prefilling: bool = False) -> bool:
+        """Compresses the whole committed pages past comp_indices that are due (fold_end);
+        prefilling: req's prefill is not complete yet. False if the pool is full."""
         ps = self.page_size
         c = len(req.comp_indices)
-        p = self.fold_end(req)
+        p = self.fold_end(req, prefilling)
         if p <= c or req.spec.decode_only:
             return True
         ids = self.alloc_chunks(p - c)
