@@ -21,6 +21,7 @@ against draft length, one line per compressor at ratio 4).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 from tqdm import tqdm
@@ -80,7 +81,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
     after each run (a long sweep keeps what it measured)."""
     common = dict(page_size=args.page_size, max_running_requests=len(ids), dtype=args.dtype)
     sampling = {"temperature": 0.0, "ignore_eos": True}
-    full = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **common)
+    full = None if args.no_full else run_mode(args.model_path, ids, args.max_new_tokens, sampling, **common)
     rows = []
     pairs = [(c, None, "page") if c in QUANTIZERS else (c, r, sc)
              for c in args.compressors for r in args.ratios for sc in args.kv_compress_scopes]
@@ -88,24 +89,24 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
     lossy_identical = {}
     for name, ratio, scope, x in tqdm(configs, desc=f"vericache runs ({kind}, {lo}-{hi} tokens)"):
         comp = dict(kv_compressor=name, kv_compression_ratio=ratio or 4.0, kv_compress_scope=scope, **common)
-        if not args.no_lossy and (name, ratio, scope) not in lossy_identical:
+        if not args.no_lossy and full is not None and (name, ratio, scope) not in lossy_identical:
             lossy = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **comp)
             lossy_identical[(name, ratio, scope)] = sum(a == b for a, b in zip(lossy.outputs, full.outputs)) / len(ids)
         vc = run_mode(args.model_path, ids, args.max_new_tokens, sampling, speculative_algorithm="VERICACHE",
                       speculative_num_draft_tokens=str(x), vericache_schedule="lockstep", **comp)  # rounds measured
         m = vc.metrics
-        diverged = [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
+        diverged = [] if full is None else [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
         rows.append({
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
             "compressor": name, "ratio": ratio, "scope": scope, "draft_tokens": x,
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
             "accept_rate": m["spec_accepted"] / max(m["spec_drafted"], 1),
-            "identical_to_full": not diverged,
+            "identical_to_full": None if full is None else not diverged,
             "first_divergence": [first_divergence(vc.outputs[i], full.outputs[i]) for i in diverged],
             "lossy_identical_share": lossy_identical.get((name, ratio, scope)),
             "seconds": vc.seconds,
-            "draft_step_vs_full_step": step_ratio(vc.metrics, full.metrics),
+            "draft_step_vs_full_step": None if full is None else step_ratio(vc.metrics, full.metrics),
             "round_trace": vc.metrics["round_trace"],  # (drafted, accepted) per round, for project_gpu.py
         })
         if save is not None:
@@ -128,10 +129,16 @@ def main() -> None:
     p.add_argument("--context-tokens", type=int, nargs="+", default=None,
                    help="Prompt sizes in tokens (about; e.g. 1024 4096 8192), one group of rows each "
                         "(default: --prompt-tokens' range).")
+    p.add_argument("--no-full", action="store_true",
+                   help="Skip the full-KV run (no output = full check: the column reads '-').")
     p.add_argument("--no-lossy", action="store_true", help="Skip the lossy-mode runs (the lossy = full column).")
     p.add_argument("--kv-compress-scopes", nargs="+", default=["auto"], choices=("auto", "page", "segment"),
                    help="--kv-compress-scope values to run each token dropper with (quantizers: once, page): "
                         "page = each page ranked alone (before issue 37), segment = whole prompts.")
+    p.add_argument("--combine", nargs="+", default=None, metavar="NAME",
+                   help="Run nothing: write --out from the rows of results/NAME.json files (runs split across "
+                        "processes).")
+    p.add_argument("--note", default=None, help="A paragraph added under the table (how the run was cut down).")
     p.add_argument("--max-new-tokens", type=int, default=256, help="Tokens generated per prompt.")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size.")
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
@@ -143,6 +150,11 @@ def main() -> None:
                    help="Results name under benchmark/results (a subset run: give it another name).")
     args = p.parse_args()
 
+    if args.combine:
+        parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in args.combine]
+        report = {"model_path": parts[0]["model_path"], "machine": machine(), "combined_from": args.combine,
+                  "args": [part["args"] for part in parts], "rows": [r for part in parts for r in part["rows"]]}
+        return write_report(args, report)
     tok = AutoTokenizer.from_pretrained(args.model_path)
     sizes = [(n, n) for n in args.context_tokens] if args.context_tokens else [tuple(args.prompt_tokens)]
     rows = []
@@ -158,6 +170,10 @@ def main() -> None:
                                                                         "args": vars(args), "rows": done + new}, ""))
 
     report = {"model_path": args.model_path, "machine": machine(), "args": vars(args), "rows": rows}
+    write_report(args, report)
+
+
+def write_report(args, report: dict) -> None:
     if args.merge:
         same = ("num_prompts", "prompt_tokens", "max_new_tokens", "page_size", "dtype", "model_path")
         report = merge_rows(args.out, report, lambda r: (r.get("prompt_kind", "code"), len(r.get("prompt_tokens", [])),
@@ -182,13 +198,15 @@ def main() -> None:
     ]
     for r in rows:
         ratio = f"{r['ratio']:g}" if r["ratio"] else "-"
-        same = "yes" if r["identical_to_full"] else f"NO at {r['first_divergence']}"
+        same = {True: "yes", None: "-"}.get(r["identical_to_full"], f"NO at {r['first_divergence']}")
         step = "-" if r.get("draft_step_vs_full_step") is None else f"{r['draft_step_vs_full_step']:.2f}x"
         lossy = "-" if r.get("lossy_identical_share") is None else f"{r['lossy_identical_share']:.0%}"
         toks = r.get("prompt_tokens", [])
         size = f"{min(toks)}-{max(toks)}" if toks else "-"
         lines.append(f"| {r.get('prompt_kind', 'code')} | {size} | {r['compressor']} | {ratio} | {r.get('scope', 'page')} | {r['draft_tokens']} "
                      f"| {r['rounds']} | {r['accept_length']:.2f} | {r['accept_rate']:.0%} | {same} | {lossy} | {step} |")
+    if args.note:
+        lines += ["", args.note]
     write_results(args.out, report, "\n".join(lines))
     plot(rows, 4.0 if 4.0 in args.ratios else args.ratios[0], RESULTS / f"{args.out}.png")
     print(f"wrote {RESULTS / args.out}.png")

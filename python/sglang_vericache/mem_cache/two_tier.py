@@ -149,10 +149,11 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ folding
 
-    def fold_end(self, req: Req, prefilling: bool = False) -> int:
-        """Pages [0, end) that should be folded now (see the module docstring's scopes)."""
+    def fold_end(self, req: Req, prefilling: bool = False, committed: int | None = None) -> int:
+        """Pages [0, end) that should be folded now, or once committed tokens are (see the module
+        docstring's scopes)."""
         ps, c = self.page_size, len(req.comp_indices)
-        committed = req.kv_committed_len
+        committed = req.kv_committed_len if committed is None else committed
         if not self.segment_scope:
             return committed // ps
         if prefilling:
@@ -314,9 +315,8 @@ class TwoTierKV:
 
     def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
-        ps = self.page_size
-        need = sum(max(0, (r.kv_committed_len + new_tokens(r)) // ps - len(r.comp_indices)) for r in running
-                   if not r.spec.decode_only)
+        need = sum(max(0, self.fold_end(r, committed=r.kv_committed_len + new_tokens(r)) - len(r.comp_indices))
+                   for r in running if not r.spec.decode_only)
         short = need - self.pool.available_chunks()
         if short > 0:
             self.tree_cache.evict_compressed(short)
