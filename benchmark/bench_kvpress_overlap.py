@@ -48,6 +48,13 @@ def measure(model, ids, press_cls, press_kwargs, comp) -> list[list[float]]:
     overlaps: dict[int, list[float]] = {}
 
     class Recording(press_cls):
+        def forward_hook(self, module, input, kwargs, output):
+            # transformers 5 passes no cache_position to attention layers (kvpress 0.5.5 reads it): a
+            # prefill from position 0.
+            kwargs = dict(kwargs)
+            kwargs.setdefault("cache_position", torch.arange(kwargs["hidden_states"].shape[1]))
+            return super().forward_hook(module, input, kwargs, output)
+
         def compress(self, module, hidden_states, keys, values, attentions, kwargs):
             from kvpress.utils import compute_n_kept
 
