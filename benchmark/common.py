@@ -86,6 +86,47 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
     return prompts
 
 
+CHAT_QUESTION = "Explain what the function `{name}` above does, then write it again with type hints."
+
+
+def chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
+                 model_path: str = default_model_path()) -> list[CodePrompt]:
+    """n chat prompts of about [min_tokens, max_tokens] tokens: a held-out file's source (its tail, so
+    the prompt fits) in a user turn with a question about its last function, in the tokenizer's chat
+    template with the assistant's turn opened. Deterministic (files in manifest order)."""
+    prompts = []
+    for path in heldout_files(model_path):
+        text = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        funcs = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if not funcs:
+            continue
+        last = max(funcs, key=lambda x: x.end_lineno)
+        src = "".join(text.splitlines(keepends=True)[: last.end_lineno])
+        question = CHAT_QUESTION.format(name=last.name)
+
+        def render(body: str) -> list[int]:
+            msg = [{"role": "user", "content": f"```python\n{body}\n```\n\n{question}"}]
+            return tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+
+        ids = render(src)
+        if len(ids) < min_tokens:
+            continue
+        if len(ids) > max_tokens:  # keep the source's tail: cut whole lines from the front
+            src_ids = tokenizer(src).input_ids
+            src = tokenizer.decode(src_ids[len(src_ids) - (max_tokens - (len(ids) - len(src_ids))):])
+            src = src[src.find("\n") + 1:]
+            ids = render(src)
+        prompts.append(CodePrompt(ids, last.name))
+        if len(prompts) == n:
+            break
+    return prompts
+
+
 def function_parses(header: str, completion: str) -> bool:
     """Whether header + completion, cut where the body ends (the first non-empty line indented no
     deeper than the def), is a function that ast.parse accepts."""

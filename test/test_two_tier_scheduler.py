@@ -59,7 +59,8 @@ def test_full_mode_device_budget_sizes_the_exact_pool(llama):
 @pytest.mark.parametrize("mode", ["lossy", "vericache"])
 def test_shared_prefix_is_compressed_once(llama, mode):
     extra = {"speculative_algorithm": "VERICACHE"} if mode == "vericache" else {}
-    s = sched(llama, kv_compressor="streamingllm", **extra)
+    # Page scope: both tiers are shared page by page (segment scope: test_segment_compression.py).
+    s = sched(llama, kv_compressor="streamingllm", kv_compress_scope="page", **extra)
     prefix = ids(64, 1)
     first = run_to_completion(s, [make_request("a", prefix + ids(5, 2), max_new_tokens=4, temperature=0.0)])
     chunks_after_first = s.tree_cache.comp_total_chunks()
@@ -90,7 +91,7 @@ def test_missing_compressed_copy_is_rebuilt_from_exact_kv(llama):
 
 def test_snapkv_hit_without_compressed_copy_recomputes_the_prefix(llama):
     # SnapKV scores need the chunk's queries, which only a forward pass has: no rebuild from KV.
-    s = sched(llama, kv_compressor="snapkv", speculative_algorithm="VERICACHE")
+    s = sched(llama, kv_compressor="snapkv", speculative_algorithm="VERICACHE", kv_compress_scope="page")
     prefix = ids(48, 5)
     run_to_completion(s, [make_request("a", prefix + [5], max_new_tokens=3, temperature=0.0)])
     s.tree_cache.evict_compressed(10**6)

@@ -108,6 +108,7 @@ def test_chunked_prefill_and_radix_hits(llama):
     full, _ = run(llama, batch)
     sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
                                  **LOCKSTEP, chunked_prefill_size=16, kv_compressor="streamingllm",
+                                 kv_compress_scope="page",  # both tiers shared page by page
                                  speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4"))
     for tag in ("a", "b"):
         reqs = [make_request(f"{tag}{i}", ids, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)

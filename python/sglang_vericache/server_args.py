@@ -65,6 +65,10 @@ class ServerArgs(ServerArgsChecks):
     # Two-tier KV cache and VeriCache (issues 4-6).
     kv_compressor: str | None = None
     kv_compression_ratio: float = DEFAULT_KV_COMPRESSION_RATIO  # token-dropping compressors only
+    # What a token dropper ranks at once (issue 37): page | segment | auto (segment where it can)
+    kv_compress_scope: str = "auto"
+    kv_compress_segment_tokens: int = 8192  # longest segment (a longer prompt is folded in several)
+    kv_recent_window: int = 128  # segment scope: generated tokens kept exact before they are folded
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
     # N-gram proposals checked by the drafter (speculative/ngram.py), SGLang's NGRAM option names.

@@ -134,6 +134,13 @@ class ServerArgsChecks:
         x = self.speculative_num_draft_tokens
         if x != "auto" and not (str(x).isdigit() and 1 <= int(x) <= 64):
             raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {x!r}")
+        if self.kv_compress_scope not in ("auto", "page", "segment"):
+            raise ValueError(f"--kv-compress-scope must be auto, page or segment, got {self.kv_compress_scope!r}")
+        if not self.page_size <= self.kv_compress_segment_tokens <= 32767:
+            raise ValueError(f"--kv-compress-segment-tokens must be in [--page-size, 32767], got "
+                             f"{self.kv_compress_segment_tokens}")
+        if self.kv_recent_window < 0:
+            raise ValueError(f"--kv-recent-window must be >= 0, got {self.kv_recent_window}")
         if not self.kv_compression_ratio >= 1.0:
             raise ValueError(f"--kv-compression-ratio must be >= 1, got {self.kv_compression_ratio}")
         for name in ("device_kv_budget", "host_kv_budget", "link_bandwidth"):

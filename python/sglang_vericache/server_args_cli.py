@@ -80,6 +80,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--kv-compression-ratio", type=float, default=d["kv_compression_ratio"].default,
         help="Compression ratio of token-dropping compressors. Quantizers (kivi2, kivi4, int8, fp8) have "
              "the ratio of their bit width: with them this flag has no effect (a warning says so).")
+    add("--kv-compress-scope", type=str, default=d["kv_compress_scope"].default,
+        choices=("auto", "page", "segment"),
+        help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's tokens) "
+             "or segment (a prompt's whole pages after its prefill, with its last queries in view, and generated "
+             "tokens in segments past an exact recent window; one budget over the segment). auto: segment for "
+             "token droppers (and DROP+QUANT) without a KV store or dual-instance role, page otherwise.")
+    add("--kv-compress-segment-tokens", type=int, default=d["kv_compress_segment_tokens"].default,
+        help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at most 32767).")
+    add("--kv-recent-window", type=int, default=d["kv_recent_window"].default,
+        help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are folded as "
+             "one segment, leaving this many exact.")
     add("--speculative-algorithm", type=str, default=None,
         help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV.")
     add("--speculative-num-draft-tokens", type=str, default=d["speculative_num_draft_tokens"].default,

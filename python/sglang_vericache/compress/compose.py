@@ -7,6 +7,9 @@ plain softmax over the rows, so which token a row came from is not needed). So t
 by both factors, e.g. 4 x 3.2 for snapkv at ratio 4 with kivi4, and the backends read it like
 any quantized layout (a kivi / int8 / fp8 quantizer's, with k_l rows, is the fused CPU kernel's).
 
+Over a segment (compress_segment: a prompt after its prefill, a run of generated tokens) the dropper
+selects over the whole segment and deals its kept tokens k_l to a chunk, then each chunk is quantized.
+
 Row j of head h is that head's j-th kept token, so a quantizer that groups rows (kivi's key
 groups) groups each head's kept tokens in order, and one that needs positions (kvquant, rotatekv:
 pre-RoPE keys) gets each row's own, per head ([k_l, H]).
@@ -21,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from sglang_vericache.compress.base import CompressedChunk, KVCompressor, Layout
-from sglang_vericache.compress.token_drop import TokenDropCompressor
+from sglang_vericache.compress.token_drop import TokenDropCompressor, check_segment, deal
 
 
 class ComposedCompressor(KVCompressor):
@@ -69,6 +72,21 @@ class ComposedCompressor(KVCompressor):
             per_head = positions.to(k.device)[..., None].expand(*positions.shape, k.shape[-2])  # [..., T, H]
             kept_pos = torch.gather(per_head, -2, rows)
         return self.stage(layer_id).compress(layer_id, kept_k, kept_v, positions=kept_pos)
+
+    def segment_queries(self, layer_id: int) -> int:
+        return self.drop.segment_queries(layer_id)
+
+    def compress_segment(self, layer_id, k, v, q=None, q_positions=None, positions=None) -> CompressedChunk:
+        """The dropper's selection over the whole segment (k_l rows dealt to each of its n chunks),
+        then each chunk's kept rows quantized as a chunk of k_l rows."""
+        n = check_segment(self, k, v, positions)
+        positions = positions.to(k.device)
+        keep = self.drop.segment_keep(layer_id, k, v, q, q_positions, positions)
+        rows = deal(keep, n, self.drop.rows(layer_id))  # [n, k_l, H]
+        gather = rows.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
+        kept_k = torch.gather(k, 0, gather).unflatten(0, rows.shape[:2])
+        kept_v = torch.gather(v, 0, gather).unflatten(0, rows.shape[:2])
+        return self.stage(layer_id).compress(layer_id, kept_k, kept_v, positions=positions[rows])
 
     def decompress(self, layer_id, chunk):
         return self.stage(layer_id).decompress(layer_id, chunk)

@@ -26,8 +26,10 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
 
     Departure from kvpress: statistics come from the chunk's captured queries rather than from
     its hidden states pushed through W_q (the same for Llama-like models, and valid with QK-norm,
-    which kvpress refuses); the softmax and the future positions are the chunk's (positions after
-    its last token) rather than the whole context's.
+    which kvpress refuses). Page by page (compress) the statistics, the softmax and the future
+    positions are the chunk's; over a segment (compress_segment, kvpress's rule) the statistics are
+    those of every query given (the segment's and those after it, e.g. the whole prompt's), the
+    future positions follow the last of them, and the softmax runs over the segment's keys.
     """
 
     name = "expected_attention"
@@ -43,12 +45,18 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         q = self._check_q(layer_id, q, k)
         if positions is None:
             raise ValueError(f"{self.name}: compress() needs the chunk's absolute positions")
-        return top_k_indices(self.scores(q, k, v, positions.to(k.device)), self.rows(layer_id))
+        return top_k_indices(self.scores(q, k, v, positions.to(k.device)), self.kept(layer_id, k))
 
     def select(self, layer_id, k, q, positions):
         raise TypeError(
             f"{self.name} scores keys with their values' norms: call keep(layer_id, k, v, q, positions)"
         )
+
+    def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        if q is None or q_positions is None or len(q) == 0:
+            raise ValueError(f"{self.name}: a segment needs its queries")
+        scores = self.scores(q, k, v, positions, q_positions.to(k.device))
+        return top_k_indices(scores, self.kept(layer_id, k))
 
     def query_statistics(self, q: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., T, H_q, D] post-RoPE at positions [..., T] -> future mu' [..., H_q, D] and
@@ -69,12 +77,14 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         return mu, sigma
 
     def scores(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        q_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[..., H_kv, T] expected-attention scores of the chunk's keys (see the class)."""
+        """[..., H_kv, T] expected-attention scores of the keys at positions (see the class); the
+        queries sit at q_positions (default: the keys' own)."""
         c = self.config
         s = c.scale
-        mu, sigma = self.query_statistics(q, positions)
+        mu, sigma = self.query_statistics(q, positions if q_positions is None else q_positions)
         num_kv = k.shape[-2]
         group = mu.shape[-2] // num_kv
         kf = k.float().movedim(-3, -2).unsqueeze(-3)  # [..., H_kv, 1, T, D]

@@ -14,4 +14,4 @@ class KNormCompressor(TokenDropCompressor):
 
     def select(self, layer_id, k, q, positions):
         norms = k.float().norm(dim=-1).transpose(-1, -2)  # [..., H, T]
-        return top_k_indices(-norms, self.rows(layer_id))
+        return top_k_indices(-norms, self.kept(layer_id, k))

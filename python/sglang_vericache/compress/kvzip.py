@@ -123,7 +123,10 @@ class KVzipCompressor(TokenDropCompressor):
         if positions is not None:
             sink = (positions.to(k.device) < self.config.num_sink_tokens).unsqueeze(-2)  # [..., 1, T]
             scores = torch.where(sink, float("inf"), scores)
-        return top_k_indices(scores, self.rows(layer_id))
+        return top_k_indices(scores, self.kept(layer_id, k))
+
+    def segment_queries(self, layer_id: int) -> int:
+        return 0  # its per-page reconstruction passes are folded page by page (TwoTierKV)
 
 
 class KVzipProxyCompressor(KVzipCompressor):
@@ -140,6 +143,23 @@ class KVzipProxyCompressor(KVzipCompressor):
         """The chunk's own post-RoPE queries and keys, moved T + kvzip_prompt_tokens positions on."""
         delta = torch.tensor(self.reconstruction_tokens(), device=k.device)
         return ReconstructionPass(self.rope.rotate(q.float(), delta), self.rope.rotate(k.float(), delta))
+
+    def segment_queries(self, layer_id: int) -> int:
+        return 2  # each page's own queries
+
+    def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        """Each page scored by its own proxy pass (its prefill queries, as page by page), the
+        top kept(layer_id, k) per head over the whole segment (kvpress scores its context chunk by
+        chunk and ranks the whole context)."""
+        t, n = self.config.chunk_size, k.shape[0] // self.config.chunk_size
+        if q is None or len(q) < n * t:
+            raise ValueError(f"{self.name}: a segment needs its own {n * t} queries")
+        pages = k.unflatten(0, (n, t))
+        scores = reconstruction_scores(self.proxy_pass(q[: n * t].unflatten(0, (n, t)), pages), pages,
+                                       self.config.scale)  # [n, H, T]
+        scores = scores.permute(1, 0, 2).flatten(1)  # [H, S]
+        sink = (positions < self.config.num_sink_tokens).unsqueeze(0)
+        return top_k_indices(torch.where(sink, float("inf"), scores), self.kept(layer_id, k))
 
     def pass_for(self, layer_id, k, q) -> ReconstructionPass:
         if isinstance(q, ReconstructionPass):

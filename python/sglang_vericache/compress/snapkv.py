@@ -1,4 +1,4 @@
-"""SnapKV, chunk-local: the chunk's trailing window of queries votes for the keys to keep."""
+"""SnapKV: a trailing window of queries votes for the keys to keep (Li et al., 2024; kvpress SnapKVPress)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from sglang_vericache.compress.token_drop import (
     TokenDropCompressor,
     attention_mass,
+    attention_mass_at,
     recent_indices,
     top_k_indices,
 )
@@ -18,6 +19,12 @@ class SnapKVCompressor(TokenDropCompressor):
     q-heads of each KV group, then 1D avg/max pooling (kernel_size, stride 1, zero/-inf padding,
     as SnapKV) over the T - W keys before the window. Per KV head keep the window's own tokens
     (its most recent min(k, W)), then the top-scored earlier keys; ties go to the lower index.
+
+    Over a segment (compress_segment): the window is the last W queries given, those of the
+    prompt's last W tokens when a prompt is folded after its prefill (the question in view),
+    wherever they lie; the scores are pooled over the segment's keys, the keys inside the window
+    score +inf (kept, as kvpress pads the window with the maximum score), and the top
+    kept(layer_id, k) per KV head are kept over the whole segment.
     """
 
     name = "snapkv"
@@ -27,12 +34,21 @@ class SnapKVCompressor(TokenDropCompressor):
 
     def select(self, layer_id, k, q, positions):
         q = self._check_q(layer_id, q, k)
-        num_tokens, window, n = k.shape[-3], self.query_window(layer_id), self.rows(layer_id)
+        num_tokens, window, n = k.shape[-3], self.query_window(layer_id), self.kept(layer_id, k)
         keep_window = recent_indices(k, min(n, window))
         if n <= window:
             return keep_window
         scores = self.pool(attention_mass(q, k, self.config.scale)[..., : num_tokens - window])
         return torch.cat([top_k_indices(scores, n - window), keep_window], dim=-1)
+
+    def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        if q is None or q_positions is None or len(q) == 0:
+            raise ValueError(f"{self.name}: a segment needs its observation window's queries")
+        window = min(self.config.window_size, len(q))
+        q, q_positions = q[-window:], q_positions[-window:]
+        scores = self.pool(attention_mass_at(q, q_positions, k, positions, self.config.scale))
+        in_window = (positions >= q_positions[0]).unsqueeze(0)  # [1, S]
+        return top_k_indices(torch.where(in_window, float("inf"), scores), self.kept(layer_id, k))
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., N] pooled along tokens."""

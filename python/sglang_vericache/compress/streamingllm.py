@@ -1,4 +1,4 @@
-"""StreamingLLM, chunk-local: attention sinks plus the chunk's most recent tokens."""
+"""StreamingLLM: attention sinks plus the most recent tokens of the chunk (or segment)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,4 @@ class StreamingLLMCompressor(TokenDropCompressor):
         # priority: sinks first (earliest first) in (T, 2T], then the others, latest first, in [0, T)
         sink = positions.to(k.device) < self.config.num_sink_tokens
         priority = torch.where(sink, 2 * num_tokens - index, index).unsqueeze(-2)
-        return top_k_indices(priority.expand(*k.shape[:-3], num_heads, num_tokens), self.rows(layer_id))
+        return top_k_indices(priority.expand(*k.shape[:-3], num_heads, num_tokens), self.kept(layer_id, k))

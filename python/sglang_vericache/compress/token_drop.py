@@ -1,8 +1,20 @@
-"""Shared machinery of token-dropping compressors: layout, gather, and score helpers.
+"""Shared machinery of token-dropping compressors: layout, gather, score helpers, and selection
+over a whole segment.
 
-A token-drop chunk of layer l stores, per KV head, its own kept set of k_l chunk tokens:
+A token-drop chunk of layer l stores, per KV head, its own kept set of k_l tokens:
   k, v: [k_l, H_kv, D] in the exact dtype; row j of head h = head h's j-th kept token
-  idx:  [k_l, H_kv] int16, the chunk-relative index of that token (ascending per head)
+  idx:  [k_l, H_kv] int16, the index of that token in what was compressed (the chunk, or the
+        segment for compress_segment()), ascending per head
+
+Two scopes. compress() ranks one page's T tokens alone and keeps k_l of them. compress_segment()
+ranks a segment of n whole pages (a prompt after its prefill, a run of generated tokens) at once,
+with the queries that follow it in view (SnapKV's observation window is the prompt's last W
+queries), keeps n * k_l per head, the budget global over the segment, and deals the kept tokens out,
+in position order, k_l to each of the n chunks. Attention over the compressed tier is a softmax over
+rows whose RoPE is applied, so which chunk holds a row does not matter, and the pool, the layouts and
+the draft kernels stay as they are. The score rules live in each method's `select()` / `keep()`
+(their budget `kept(layer_id, k)` is k_l per page of k); `segment_keep()` is where a method that
+reads queries takes the segment's.
 """
 
 from __future__ import annotations
@@ -23,6 +35,16 @@ class TokenDropCompressor(KVCompressor):
     def rows(self, layer_id: int) -> int:
         """k_l: kept rows per head for this layer."""
         return min(self.config.budget, self.config.chunk_size)
+
+    def kept(self, layer_id: int, k: torch.Tensor) -> int:
+        """Rows per head to keep of k [..., n * T, H_kv, D]: k_l for each of its n pages."""
+        return self.rows(layer_id) * (k.shape[-3] // self.config.chunk_size)
+
+    def segment_queries(self, layer_id: int) -> int:
+        """What compress_segment() reads: 0 no queries; 1 the queries given from the segment's start
+        on, whichever there are (a prefix hit's exact KV has none); 2 each token's own query (or
+        kvzap's hidden state), all of the segment's."""
+        return 1 if self.query_window(layer_id) > 0 else 0
 
     def layout(self, layer_id: int) -> Layout:
         c, n = self.config, self.rows(layer_id)
@@ -63,6 +85,58 @@ class TokenDropCompressor(KVCompressor):
     def decompress(self, layer_id, chunk):
         return chunk["k"].float(), chunk["v"].float()
 
+    # ------------------------------------------------------------------ segments
+
+    def segment_keep(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None,
+        q_positions: torch.Tensor | None, positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """[H_kv, kept(layer_id, k)] segment indices to keep, ascending per head. k, v [S, H_kv, D]
+        (S = n * T), positions [S]; q [Q, H_q, D] the queries of the Q positions q_positions [Q]
+        from the segment's start on (the segment's own, then those after it). Query-free methods:
+        their select() over the segment."""
+        return self.keep(layer_id, k, v, None, positions)
+
+    def compress_segment(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,
+        q_positions: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    ) -> CompressedChunk:
+        """The segment's n chunks (batched, leading dim n): segment_keep()'s rows, k_l per chunk."""
+        rows = check_segment(self, k, v, positions)
+        keep = self.segment_keep(layer_id, k, v, q, q_positions, positions.to(k.device))  # [H, n * k_l]
+        idx = deal(keep, rows, self.rows(layer_id))  # [n, k_l, H]
+        gather = idx.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
+        dtype = self.config.dtype
+        return CompressedChunk(
+            {
+                "k": torch.gather(k, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
+                "v": torch.gather(v, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
+                "idx": idx.to(torch.int16).contiguous(),
+            }
+        )
+
+
+def check_segment(comp: KVCompressor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None) -> int:
+    """Checks a segment's k, v [n * T, H_kv, D] and positions [n * T]; returns n."""
+    c = comp.config
+    num_tokens = k.shape[0]
+    if (k.dim() != 3 or k.shape != v.shape or tuple(k.shape[1:]) != (c.num_kv_heads, c.head_dim)
+            or num_tokens == 0 or num_tokens % c.chunk_size):
+        raise ValueError(f"{comp.name}: a segment's k, v must be [n * {c.chunk_size}, {c.num_kv_heads}, "
+                         f"{c.head_dim}], got {list(k.shape)} {list(v.shape)}")
+    if num_tokens > torch.iinfo(torch.int16).max:
+        raise ValueError(f"{comp.name}: a segment of {num_tokens} tokens does not fit int16 indices")
+    if positions is None or tuple(positions.shape) != (num_tokens,):
+        raise ValueError(f"{comp.name}: compress_segment() needs the segment's positions [{num_tokens}]")
+    return num_tokens // c.chunk_size
+
+
+def deal(keep: torch.Tensor, n: int, per_chunk: int) -> torch.Tensor:
+    """keep [H, n * per_chunk] ascending -> [n, per_chunk, H]: chunk i gets each head's kept
+    tokens i * per_chunk .. (i + 1) * per_chunk - 1, in position order."""
+    assert keep.shape[-1] == n * per_chunk, f"{keep.shape=} is not {n} chunks of {per_chunk}"
+    return keep.unflatten(-1, (n, per_chunk)).permute(1, 2, 0)
+
 
 def recent_indices(k: torch.Tensor, n: int) -> torch.Tensor:
     """[..., H_kv, n]: the chunk's last n token indices, for every head of k [..., T, H_kv, D]."""
@@ -75,6 +149,29 @@ def top_k_indices(scores: torch.Tensor, n: int) -> torch.Tensor:
     """[..., N] scores -> [..., n] indices of the n highest, ties to the lower index, ascending."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     return order[..., :n].sort(dim=-1).values
+
+
+QUERY_BLOCK = 256  # queries scored at once over a segment
+
+
+def attention_mass_at(
+    q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention the keys k [S, H_kv, D] at positions [S] receive from the queries q [W, H_q, D] at
+    q_positions [W], summed over them and the q-heads of each KV group -> [H_kv, S]. Each query
+    sees the keys at or before its position (the segment's keys only: softmax over them, as
+    kvpress scores a context with its window's queries); float32."""
+    num_heads_kv = k.shape[-2]
+    group = q.shape[-2] // num_heads_kv
+    kf = k.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, S]
+    positions, q_positions = positions.to(k.device), q_positions.to(k.device)
+    total = torch.zeros(num_heads_kv, k.shape[0], dtype=torch.float32, device=k.device)
+    for lo in range(0, q.shape[0], QUERY_BLOCK):  # bounded memory: [Hkv, G, QUERY_BLOCK, S] at a time
+        qf = q[lo : lo + QUERY_BLOCK].float().unflatten(-2, (num_heads_kv, group)).permute(1, 2, 0, 3)  # [Hkv, G, w, D]
+        logits = torch.matmul(qf, kf) * scale  # [Hkv, G, w, S]
+        mask = positions[None, :] > q_positions[lo : lo + QUERY_BLOCK, None]  # [w, S] future keys
+        total += torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1).sum(dim=(1, 2))
+    return total
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:

@@ -185,7 +185,7 @@ class PrefillAdder:
         self.req_to_token_pool.write(idx, 0, match.device_indices)
         req.kv_committed_len = req.kv_allocated_len = prefix_len
         # A hit whose compressed copy is shorter: rebuild the missing chunks from exact KV.
-        ok = self.two_tier is None or self.two_tier.fold(req)
+        ok = self.two_tier is None or self.two_tier.fold(req, prefilling=True)
         if ok and self.memory.alloc_slots(req, n) is not None:
             if req.num_retractions == 0:
                 req.cached_tokens = prefix_len

@@ -83,6 +83,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 disable=server_args.disable_radix_cache,
             )
             self.two_tier.tree_cache = self.tree_cache
+            self.tree_cache.share_comp = not self.two_tier.segment_scope
         # KV store (--kv-store, issue 8): prefix pages shared across instances; see prefix_store.py.
         self.prefix_store = None
         if server_args.kv_store != "none":

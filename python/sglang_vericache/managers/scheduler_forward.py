@@ -65,7 +65,7 @@ class SchedulerForwardMixin:
                 if fb.captured_q is not None:
                     self.two_tier.record_queries(req, fb.captured_q, slice(token_row, token_row + n))
                 token_row += n
-                if not self.two_tier.fold(req):  # admission reserves chunks; this is the safety net
+                if not self.two_tier.fold(req, prefilling=sample_row is None):  # admission reserves; safety net
                     logger.warning("compressed tier full: requeueing %s", req.rid)
                     if req is self.chunked_req:
                         self.chunked_req = None

@@ -168,3 +168,36 @@ def compress_pages(
             q = queries[layer]
         chunk = compressor.compress(layer, k, v, q=q, positions=pos)
         compressed_pool.write(layer, ids, chunk)
+
+
+def compress_segment(
+    compressor: KVCompressor,
+    kv_pool: MHATokenToKVPool,
+    compressed_pool: CompressedKVPool,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    queries: list[torch.Tensor | None] | None = None,
+    q_positions: torch.Tensor | None = None,
+) -> None:
+    """Compresses n whole pages of exact KV as ONE segment, every layer, into the chunk ids:
+    the compressor ranks the segment's tokens together and deals k_l kept rows per head to each
+    chunk (TokenDropCompressor.compress_segment).
+
+    slots, positions: [n * T] the segment's exact slots and absolute positions; ids: [n].
+    queries:   per layer, None if compressor.segment_queries(l) == 0, else the queries [Q, H_q, D]
+               (kvzap: hidden states [Q, hidden]) at q_positions [Q], from the segment's start on.
+    """
+    t = compressor.config.chunk_size
+    n = len(ids)
+    assert len(slots) == n * t == len(positions), f"{len(slots)=} is not {n} chunks of {t}"
+    slots = slots.to(kv_pool.device)
+    dev = compressed_pool.device
+    for layer in range(kv_pool.num_layers):
+        k = kv_pool.get_key_buffer(layer)[slots].to(dev)  # [n * T, H_kv, D]
+        v = kv_pool.get_value_buffer(layer)[slots].to(dev)
+        q = None if queries is None else queries[layer]
+        if compressor.segment_queries(layer) and q is None:
+            raise ValueError(f"{compressor.name} needs the segment's queries for layer {layer}")
+        chunk = compressor.compress_segment(layer, k, v, q=q, q_positions=q_positions, positions=positions)
+        compressed_pool.write(layer, ids, chunk)

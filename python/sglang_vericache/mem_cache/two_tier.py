@@ -6,8 +6,17 @@ Per request (two-tier modes), on top of the exact-tier invariant in Req:
                 (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
                 the attention inputs [n, hidden] instead).
 kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner).
-A page is folded (compressed) as soon as its exact KV is committed, so the exact tail that
-drafting reads, positions [C*ps, kv_committed_len), is always shorter than a page.
+
+Two scopes (`segment_scope`, --kv-compress-scope):
+  page     a page is folded (compressed) alone as soon as its exact KV is committed, so the exact
+           tail that drafting reads, positions [C*ps, kv_committed_len), is shorter than a page.
+  segment  (token droppers) nothing is folded while the prompt's prefill is under way; when it
+           completes, the prompt's whole pages are folded as segments of up to
+           --kv-compress-segment-tokens, each ranked whole with every query kept since its start
+           (SnapKV's window: the prompt's last W queries). Generated tokens stay exact until the
+           tail reaches 2 * --kv-recent-window; then its older whole pages are folded as one
+           segment, leaving kv_recent_window..+ps-1 exact. q_hist then ends at kv_committed_len and
+           starts wherever the request's queries do (a prefix hit's exact KV has none).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from sglang_vericache.compress.base import CompressorConfig
 from sglang_vericache.compress.kvzip import ReconstructionPass
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.distributed.parallel_state import get_tp_group
-from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages
+from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages, compress_segment
 from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
@@ -67,6 +76,9 @@ class TwoTierKV:
         if num_chunks < 1:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
+        self.segment_scope = self.resolve_scope(args)
+        self.segment_pages = args.kv_compress_segment_tokens // self.page_size
+        self.recent_window = args.kv_recent_window
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
         self.needs_queries = any(w > 0 for w in self.windows)
         self.reads_hidden = bool(getattr(self.compressor, "reads_hidden", False))  # kvzap: q_hist holds hidden states
@@ -88,10 +100,23 @@ class TwoTierKV:
             self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),
                                                        cfg.num_sink_tokens)
         logger.info(
-            "compressed tier: %s, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
-            args.kv_compressor, num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
+            "compressed tier: %s, %s scope, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
+            args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
             self.compressor.effective_ratio(),
         )
+
+    def resolve_scope(self, args: ServerArgs) -> bool:
+        """Whether the compressor ranks segments (True) or pages (False), from --kv-compress-scope."""
+        comp = self.compressor
+        capable = hasattr(comp, "compress_segment") and not comp.needs_reconstruction
+        others = args.kv_store != "none" or args.disagg_role != "none"  # they share compressed pages
+        if args.kv_compress_scope == "segment":
+            if not capable or others:
+                why = "its rows are not a token selection" if not capable else "a KV store or dual instance"
+                raise ValueError(f"--kv-compress-scope segment: not with {args.kv_compressor} ({why}); "
+                                 "use page")
+            return True
+        return args.kv_compress_scope == "auto" and capable and not others
 
     @staticmethod
     def device_overhead_bytes(args: ServerArgs, model_runner: ModelRunner) -> int:
@@ -124,17 +149,39 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ folding
 
-    def fold(self, req: Req) -> bool:
-        """Compresses every whole committed page past comp_indices. False if the pool is full."""
+    def fold_end(self, req: Req, prefilling: bool = False, committed: int | None = None) -> int:
+        """Pages [0, end) that should be folded now, or once committed tokens are (see the module
+        docstring's scopes)."""
+        ps, c = self.page_size, len(req.comp_indices)
+        committed = req.kv_committed_len if committed is None else committed
+        if not self.segment_scope:
+            return committed // ps
+        if prefilling:
+            return c  # the prompt is folded whole once its prefill completes
+        if c < len(req.origin_input_ids) // ps:
+            return committed // ps  # the prompt (or a retracted request's prompt and outputs)
+        if committed - c * ps < 2 * self.recent_window:
+            return c
+        return max(c, (committed - self.recent_window) // ps)
+
+    def fold(self, req: Req, prefilling: bool = False) -> bool:
+        """Compresses the whole committed pages past comp_indices that are due (fold_end);
+        prefilling: req's prefill is not complete yet. False if the pool is full."""
         ps = self.page_size
         c = len(req.comp_indices)
-        p = req.kv_committed_len // ps
+        p = self.fold_end(req, prefilling)
         if p <= c or req.spec.decode_only:
             return True
         ids = self.alloc_chunks(p - c)
         if ids is None:
             return False
         t0 = time.perf_counter()
+        if self.segment_scope:
+            self.fold_segments(req, c, p, ids)
+            req.comp_indices = torch.cat([req.comp_indices, ids])
+            self.fold_pages += p - c
+            self.fold_seconds += time.perf_counter() - t0
+            return True
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, c * ps : p * ps]
         queries = None
         if self.needs_queries:
@@ -160,6 +207,33 @@ class TwoTierKV:
         self.fold_pages += p - c
         self.fold_seconds += time.perf_counter() - t0
         return True
+
+    def fold_segments(self, req: Req, c: int, p: int, ids: torch.Tensor) -> None:
+        """Pages [c, p) of req as segments of up to segment_pages pages, each ranked whole with the
+        queries kept since its start; then q_hist keeps those of positions >= p * ps."""
+        ps, committed = self.page_size, req.kv_committed_len
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        num_q = 0 if not self.needs_queries else len(next(iter(req.q_hist.values()), ()))
+        q_start = committed - num_q  # q_hist's rows: positions [q_start, committed)
+        for s in range(c, p, self.segment_pages):
+            e = min(p, s + self.segment_pages)
+            queries = q_positions = None
+            if self.needs_queries:
+                lo = max(0, s * ps - q_start)
+                q_positions = torch.arange(q_start + lo, committed, dtype=torch.int64)
+                queries = []
+                for layer in range(len(self.windows)):
+                    hist = req.q_hist.get(layer)
+                    if hist is None or not self.compressor.segment_queries(layer):
+                        queries.append(None)
+                        continue
+                    q = hist[lo:]
+                    queries.append(q if self.reads_hidden else q.unflatten(-1, (-1, self.compressor.config.head_dim)))
+            compress_segment(self.compressor, self.kv_pool, self.pool, row[s * ps : e * ps], ids[s - c : e - c],
+                             torch.arange(s * ps, e * ps, dtype=torch.int64), queries, q_positions)
+        drop = max(0, p * ps - q_start)
+        for layer in list(req.q_hist):
+            req.q_hist[layer] = req.q_hist[layer][drop:]
 
     def fold_seconds_per_page(self) -> float | None:
         """Measured seconds to fold one page (every layer); None before any fold."""
@@ -200,7 +274,17 @@ class TwoTierKV:
     def usable_match(self, match):
         """Query-scored compressors (and kvzip, whose pass is a forward of the model) do not rebuild
         chunks from exact KV alone: their usable exact prefix ends where the compressed one does
-        (the rest is recomputed)."""
+        (the rest is recomputed). Segment scope: the request compresses its whole prompt itself
+        (no compressed chunk is shared); its exact hit is used unless the compressor ranks each
+        token by its own query (kvzip_proxy, kvzap: segment_queries == 2), which the hit lacks."""
+        if self.segment_scope:
+            own = any(self.compressor.segment_queries(layer) == 2 for layer in range(len(self.windows)))
+            return type(match)(
+                device_indices=match.device_indices[:0] if own else match.device_indices,
+                last_node=match.last_node,
+                comp_indices=match.comp_indices[:0],
+                page_size=match.page_size,
+            )
         if not (self.needs_queries or self.reconstruction) or match.comp_len >= len(match.device_indices):
             return match
         return type(match)(
@@ -231,9 +315,8 @@ class TwoTierKV:
 
     def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
-        ps = self.page_size
-        need = sum(max(0, (r.kv_committed_len + new_tokens(r)) // ps - len(r.comp_indices)) for r in running
-                   if not r.spec.decode_only)
+        need = sum(max(0, self.fold_end(r, committed=r.kv_committed_len + new_tokens(r)) - len(r.comp_indices))
+                   for r in running if not r.spec.decode_only)
         short = need - self.pool.available_chunks()
         if short > 0:
             self.tree_cache.evict_compressed(short)

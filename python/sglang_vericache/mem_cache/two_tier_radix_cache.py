@@ -86,6 +86,9 @@ class TwoTierRadixCache(RadixCache):
         if compressed_pool is not None:
             assert compressed_pool.chunk_size == page_size, "a compressed chunk must be exactly one page"
         self.compressed_pool = compressed_pool
+        # False (segment scope, TwoTierKV.segment_scope): a request's chunks depend on its whole
+        # prompt, so the tree takes exact KV alone and the requests' chunks are freed with them.
+        self.share_comp = True
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, disable)
 
     # ------------------------------------------------------------------ public API
@@ -245,7 +248,7 @@ class TwoTierRadixCache(RadixCache):
         assert n_prefix <= cached_len, f"{n_prefix=} > {cached_len=}"
         assert req.comp_prefix_len <= n_prefix, f"{req.comp_prefix_len=} > {n_prefix=}"
         comp = self._as_ids(req.comp_indices)
-        n_comp = min(len(comp), cached_len // self.page_size)
+        n_comp = min(len(comp), cached_len // self.page_size) if self.share_comp else 0
         slots = row[:cached_len].clone()
         res = self.insert(list(req.fill_ids[:cached_len]), slots, comp[:n_comp])
         assert res.prefix_len >= n_prefix, "the request's locked prefix left the tree"

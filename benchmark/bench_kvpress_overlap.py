@@ -1,0 +1,144 @@
+"""Kept sets of our token droppers over a whole prompt against kvpress's presses, same model, same prompt.
+
+    .venv/bin/python benchmark/bench_kvpress_overlap.py --model-path /tmp/models/smollm2-hf --context-tokens 1024
+
+One Hugging Face forward of a held-out code prompt under each kvpress press (SnapKVPress,
+ExpectedAttentionPress) at compression ratio 0.75; in the press's compress() hook, where kvpress has
+every layer's post-RoPE keys, values and hidden states, the press's own kept indices (its scores'
+top-k per KV head) are recorded beside what our compressor keeps of the same keys, values and queries
+(`compress_segment` over the whole prompt as one segment: 4x, pages of 16). Overlap = |ours & kvpress|
+/ kept, per layer and KV head. Our queries are the layer's q_proj of the same hidden states with the
+same RoPE (kvpress's get_prerope_query_states), so the figure compares the selection rules.
+
+Writes benchmark/results/kvpress_overlap.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common import RESULTS, code_prompts, machine, write_results
+from sglang_vericache.compress.base import CompressorConfig
+from sglang_vericache.compress.registry import get_compressor
+from sglang_vericache.layers.rotary_embedding import get_rope_parameters
+from sglang_vericache.server_args import default_model_path
+
+
+def our_keep(comp, layer: int, module, hidden, keys, values, position_embeddings) -> torch.Tensor:
+    """[H_kv, kept] what our compressor keeps of one layer's prompt (batch 1) as one segment."""
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    q = get_prerope_query_states(module, hidden)  # [1, H_q, S, D]
+    cos, sin = position_embeddings
+    q = (q * cos.unsqueeze(1)) + (rotate_half(q) * sin.unsqueeze(1))
+    s = keys.shape[2]
+    k, v, q = keys[0].transpose(0, 1), values[0].transpose(0, 1), q[0].transpose(0, 1)  # [S, H, D]
+    pos = torch.arange(s)
+    idx = comp.compress_segment(layer, k.float(), v.float(), q=q.float(), q_positions=pos, positions=pos)["idx"]
+    return idx.long().permute(2, 0, 1).flatten(1)
+
+
+def measure(model, ids, press_cls, press_kwargs, comp) -> list[list[float]]:
+    """Overlap per layer and KV head of press_cls's kept set and comp's."""
+    overlaps: dict[int, list[float]] = {}
+
+    class Recording(press_cls):
+        def forward_hook(self, module, input, kwargs, output):
+            # transformers 5 passes no cache_position to attention layers (kvpress 0.5.5 reads it): a
+            # prefill from position 0.
+            kwargs = dict(kwargs)
+            kwargs.setdefault("cache_position", torch.arange(kwargs["hidden_states"].shape[1]))
+            return super().forward_hook(module, input, kwargs, output)
+
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            from kvpress.utils import compute_n_kept
+
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+            theirs = scores.topk(n_kept, dim=-1).indices[0]  # [H, n_kept]
+            ours = our_keep(comp, module.layer_idx, module, hidden_states, keys, values,
+                            kwargs["position_embeddings"])
+            assert ours.shape == theirs.shape, f"{ours.shape} kept, kvpress {theirs.shape}"
+            overlaps[module.layer_idx] = [len(set(a.tolist()) & set(b.tolist())) / n_kept
+                                          for a, b in zip(ours, theirs)]
+            return super().compress(module, hidden_states, keys, values, attentions, kwargs)
+
+    with torch.no_grad(), Recording(compression_ratio=0.75, **press_kwargs)(model):
+        model(torch.tensor([ids]))
+    return [overlaps[i] for i in sorted(overlaps)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True, help="A Hugging Face model folder (Llama-like).")
+    p.add_argument("--context-tokens", type=int, default=1024, help="Prompt length (a multiple of 16).")
+    p.add_argument("--out", default="kvpress_overlap", help="Results name under benchmark/results.")
+    args = p.parse_args()
+    from kvpress import ExpectedAttentionPress, SnapKVPress
+
+    if args.context_tokens % 16:
+        raise SystemExit("--context-tokens must be a multiple of 16 (whole pages)")
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    ids = code_prompts(tok, 1, args.context_tokens, args.context_tokens, model_path=default_model_path())[0].ids
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")
+    hf = model.config
+
+    def ours(name: str, **options):
+        cfg = CompressorConfig(name, ratio=4, chunk_size=16, num_layers=hf.num_hidden_layers,
+                               num_kv_heads=hf.num_key_value_heads, num_q_heads=hf.num_attention_heads,
+                               head_dim=hf.head_dim, dtype=torch.float32, rope_parameters=get_rope_parameters(hf),
+                               **options)
+        return get_compressor(name, cfg)
+
+    cases = [
+        ("snapkv", SnapKVPress, {"window_size": 8, "kernel_size": 5}, ours("snapkv", window_size=8, kernel_size=5)),
+        ("expected_attention", ExpectedAttentionPress, {"n_future_positions": 512, "n_sink": 4},
+         ours("expected_attention", n_future_positions=512, num_sink_tokens=4)),
+    ]
+    rows = []
+    for name, press, kwargs, comp in cases:
+        per_layer = measure(model, ids, press, kwargs, comp)
+        flat = [x for layer in per_layer for x in layer]
+        rows.append({"compressor": name, "press": press.__name__, "press_kwargs": kwargs,
+                     "mean_overlap": statistics.mean(flat), "min_overlap": min(flat),
+                     "per_layer_mean": [statistics.mean(layer) for layer in per_layer], "per_layer_head": per_layer})
+    report = {"model_path": args.model_path, "machine": machine(), "prompt_tokens": len(ids), "args": vars(args),
+              "rows": rows}
+    lines = [
+        f"Kept sets, ours vs kvpress, on {args.model_path}: one held-out code prompt of {len(ids)} tokens, "
+        "compression 4x (kvpress compression_ratio 0.75), the whole prompt as one segment, float32; "
+        f"machine: {machine()}",
+        "",
+        "| ours | kvpress press | press options | mean overlap | min overlap (a layer's head) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['compressor']} | {r['press']} | {r['press_kwargs']} | {r['mean_overlap']:.1%} "
+                     f"| {r['min_overlap']:.1%} |")
+    write_results(args.out, report, "\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        ax.plot(range(len(r["per_layer_mean"])), r["per_layer_mean"], marker="o", label=f"{r['compressor']} vs {r['press']}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("kept-set overlap (mean over KV heads)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Our token droppers vs kvpress, {len(ids)}-token prompt, 4x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{args.out}.png", dpi=120)
+    print(f"wrote {RESULTS / args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

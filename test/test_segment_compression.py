@@ -1,0 +1,234 @@
+"""Token dropping over a whole segment (issue 37): a prompt's pages ranked together after its prefill,
+with its last queries in view, the budget global over the segment; generated tokens folded past an
+exact recent window; VeriCache still deterministic full mode's tokens and logprobs bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_vericache.compress.base import CompressorConfig
+from sglang_vericache.compress.registry import get_compressor
+from sglang_vericache.compress.token_drop import top_k_indices
+from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
+from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+
+T, H_KV, H_Q, D = 8, 2, 4, 16
+
+
+def config(name: str, ratio: float = 8, layers: int = 1, **options) -> CompressorConfig:
+    return CompressorConfig(name, ratio=ratio, chunk_size=T, num_layers=layers, num_kv_heads=H_KV,
+                            num_q_heads=H_Q, head_dim=D, dtype=torch.float32, **options)
+
+
+def spiky_segment(hot: dict[int, list[int]], pages: int = 4, seed: int = 0):
+    """k, v [pages * T, H_KV, D] of small random keys, except that head h's keys at hot[h] point
+    along channel 0 (scaled up), and queries [3, H_Q, D] at positions after the segment that point
+    along channel 0 too: they attend to the hot keys and hardly anywhere else."""
+    g = torch.Generator().manual_seed(seed)
+    s = pages * T
+    k = torch.randn(s, H_KV, D, generator=g) * 0.01
+    v = torch.randn(s, H_KV, D, generator=g)
+    for h, rows in hot.items():
+        k[rows, h, 0] = 4.0
+    q = torch.zeros(3, H_Q, D)
+    q[..., 0] = 4.0
+    return k, v, q, torch.arange(s, s + 3), torch.arange(s)
+
+
+def test_snapkv_keeps_the_top_k_over_the_whole_segment_not_k_of_every_page():
+    comp = get_compressor("snapkv", config("snapkv", kernel_size=1))  # k_l = 1 row per page and head
+    hot = {0: [3, 17, 18, 30], 1: [0, 1, 2, 25]}  # page 1 has none of head 0's, page 0 three of head 1's
+    k, v, q, q_pos, pos = spiky_segment(hot)
+    chunks = comp.compress_segment(0, k, v, q=q, q_positions=q_pos, positions=pos)
+    # Chunk i holds each head's kept tokens i * k_l .. (i + 1) * k_l - 1 in position order.
+    assert chunks["idx"].tolist() == [[[3, 0]], [[17, 1]], [[18, 2]], [[30, 25]]]
+    for h in range(H_KV):
+        assert torch.equal(chunks["k"][:, 0, h], k[hot[h], h])
+        assert torch.equal(chunks["v"][:, 0, h], v[hot[h], h])
+    # Page by page the same budget keeps one token of every page: the window's own last token.
+    pages = comp.compress(0, k.unflatten(0, (4, T)), v.unflatten(0, (4, T)), q=torch.zeros(4, T, H_Q, D),
+                          positions=pos.unflatten(0, (4, T)))
+    assert pages["idx"][..., 0].flatten().tolist() == [7, 7, 7, 7]
+
+
+def reference_snapkv(k, q, q_pos, pos, scale, n_keep, kernel_size):
+    """SnapKV written out per (KV head, q-head, query): softmax over the keys each query sees,
+    summed, average-pooled, the keys inside the window kept first, the top n_keep (ties: lower)."""
+    scores = torch.zeros(H_KV, len(pos))
+    for h in range(H_KV):
+        for g in range(H_Q // H_KV):
+            for i in range(len(q_pos)):
+                logits = torch.tensor([float(q[i, h * (H_Q // H_KV) + g] @ k[j, h]) * scale
+                                       if pos[j] <= q_pos[i] else float("-inf") for j in range(len(pos))])
+                scores[h] += torch.softmax(logits, dim=0)
+    pad = kernel_size // 2
+    pooled = torch.nn.functional.avg_pool1d(scores[:, None], kernel_size, stride=1, padding=pad)[:, 0]
+    pooled[:, pos >= q_pos[0]] = float("inf")
+    return top_k_indices(pooled, n_keep)
+
+
+@pytest.mark.parametrize("window_inside", [False, True])
+def test_snapkv_segment_matches_a_reference_top_k_over_the_whole_context(window_inside):
+    comp = get_compressor("snapkv", config("snapkv", ratio=4, window_size=4))
+    g = torch.Generator().manual_seed(1)
+    s = 4 * T
+    k, v = torch.randn(s, H_KV, D, generator=g), torch.randn(s, H_KV, D, generator=g)
+    q = torch.randn(6, H_Q, D, generator=g)
+    start = s - 2 if window_inside else s + 1  # the window's last queries: 2 of them inside the segment
+    q_pos, pos = torch.arange(start - 2, start + 4), torch.arange(s)
+    chunks = comp.compress_segment(0, k, v, q=q, q_positions=q_pos, positions=pos)
+    want = reference_snapkv(k, q[-4:], q_pos[-4:], pos, comp.config.scale, 4 * 2, 5)  # [H, 8]
+    assert chunks["idx"].permute(2, 0, 1).flatten(1).tolist() == want.tolist()
+    if window_inside:
+        assert {30, 31} <= set(want[0].tolist())
+
+
+def test_budgets_are_exact_per_layer_over_the_segment():
+    layers = 6
+    comp = get_compressor("pyramidkv", config("pyramidkv", ratio=4, layers=layers, kernel_size=1))
+    g = torch.Generator().manual_seed(2)
+    pages = 5
+    k, v = torch.randn(pages * T, H_KV, D, generator=g), torch.randn(pages * T, H_KV, D, generator=g)
+    q, q_pos = torch.randn(8, H_Q, D, generator=g), torch.arange(pages * T - 8, pages * T)
+    for layer in range(layers):
+        rows = comp.rows(layer)
+        chunks = comp.compress_segment(layer, k, v, q=q, q_positions=q_pos, positions=torch.arange(pages * T))
+        assert chunks["idx"].shape == (pages, rows, H_KV)
+        assert chunks.matches(comp.layout(layer))  # the pool's layout: k_l rows in every chunk
+        for h in range(H_KV):
+            kept = chunks["idx"][..., h].flatten()
+            assert len(set(kept.tolist())) == pages * rows  # n * k_l distinct tokens of the segment
+            assert kept.tolist() == sorted(kept.tolist())
+    assert sum(comp.rows(layer) for layer in range(layers)) == layers * (T // 4)
+
+
+@pytest.mark.parametrize("name", ["knorm", "streamingllm", "h2o", "expected_attention", "kvzip_proxy"])
+def test_every_dropper_keeps_n_times_k_over_a_segment(name):
+    comp = get_compressor(name, config(name, ratio=4))
+    g = torch.Generator().manual_seed(3)
+    pages = 3
+    s = pages * T
+    k, v = torch.randn(s, H_KV, D, generator=g), torch.randn(s, H_KV, D, generator=g)
+    q = torch.randn(s + 2, H_Q, D, generator=g)  # the segment's own queries and two after it
+    chunks = comp.compress_segment(0, k, v, q=q, q_positions=torch.arange(s + 2), positions=torch.arange(s))
+    assert chunks.matches(comp.layout(0)) and chunks["idx"].shape[0] == pages
+    idx = chunks["idx"].permute(2, 0, 1).flatten(1)  # [H, n * k_l]
+    assert all(len(set(row.tolist())) == pages * comp.rows(0) for row in idx)
+    if name == "knorm":  # lowest key norms over the whole segment
+        want = top_k_indices(-k.norm(dim=-1).T, pages * comp.rows(0))
+        assert idx.tolist() == want.tolist()
+    if name == "streamingllm":  # the 4 sinks, then the segment's most recent tokens
+        assert idx[0].tolist() == [0, 1, 2, 3] + list(range(s - 2, s))
+
+
+def test_drop_then_quantize_quantizes_the_globally_kept_rows():
+    comp = get_compressor("snapkv+int8", config("snapkv+int8", kernel_size=1))
+    quant = comp.stage(0)
+    hot = {0: [3, 17, 18, 30], 1: [0, 1, 2, 25]}
+    k, v, q, q_pos, pos = spiky_segment(hot)
+    chunks = comp.compress_segment(0, k, v, q=q, q_positions=q_pos, positions=pos)
+    kept = torch.tensor([hot[0], hot[1]]).T[:, None, :]  # [n, 1, H]
+    gk = torch.stack([k[kept[..., h], h] for h in range(H_KV)], dim=-2)
+    gv = torch.stack([v[kept[..., h], h] for h in range(H_KV)], dim=-2)
+    want = quant.compress(0, gk, gv, positions=pos[kept])
+    assert chunks.tensors.keys() == want.tensors.keys()
+    assert all(torch.equal(chunks[n], want[n]) for n in want.tensors)
+
+
+# ---------------------------------------------------------------- the scheduler
+
+PROMPT_LENS = [40, 71, 9, 33]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+def run(path, dtype, **server):
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
+                                 enable_deterministic_inference=True, **server))
+    reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
+            for i, ids in enumerate(batch)]
+    res = run_to_completion(sched, reqs)
+    return [res[f"r{i}"] for i in range(len(batch))], sched
+
+
+@pytest.fixture(scope="module")
+def full(llama):
+    return {dtype: run(llama, dtype)[0] for dtype in ("bfloat16", "float32")}
+
+
+def test_generated_tokens_fold_past_the_recent_window(llama, monkeypatch):
+    """Pages of 8, recent window 8: the prompt's whole pages fold when its prefill completes; then
+    the tail grows to 16 tokens and its older whole pages fold, leaving 8 to 15 exact."""
+    from sglang_vericache.mem_cache.two_tier import TwoTierKV
+
+    seen, fold = [], TwoTierKV.fold
+
+    def spy(self, req, prefilling=False):
+        ok = fold(self, req, prefilling)
+        seen.append((req.rid, len(req.origin_input_ids), req.kv_committed_len, len(req.comp_indices), not prefilling))
+        return ok
+
+    monkeypatch.setattr(TwoTierKV, "fold", spy)
+    _, sched = run(llama, "float32", kv_compressor="snapkv", speculative_algorithm="VERICACHE",
+                   speculative_num_draft_tokens="4", vericache_schedule="lockstep", kv_recent_window=8)
+    assert sched.two_tier.segment_scope and not sched.tree_cache.share_comp
+    folded_prompt = {}
+    for rid, prompt, committed, comp, done in seen:
+        if not done:
+            assert comp == 0  # nothing folds while the prompt's prefill is under way
+            continue
+        folded_prompt.setdefault(rid, (committed, comp))
+        assert comp >= prompt // 8  # the prompt's whole pages, folded at once
+        tail = committed - comp * 8
+        assert tail < 16 and (comp == prompt // 8 or tail >= 8)
+    assert {rid: c for rid, (_, c) in folded_prompt.items()} == {f"r{i}": n // 8 for i, n in enumerate(PROMPT_LENS)}
+    last = {rid: (committed, comp) for rid, _, committed, comp, _ in seen}
+    assert max(comp - n // 8 for (_, comp), n in zip(last.values(), PROMPT_LENS)) >= 2  # generated pages folded
+    assert sched.two_tier.pool.available_chunks() == sched.two_tier.pool.num_chunks  # all freed at the end
+
+
+CASES = [("snapkv", s) for s in ("lockstep", "staggered", "adaptive")] + [
+    (c, "lockstep") for c in ("h2o", "expected_attention", "pyramidkv", "knorm", "streamingllm", "kvzip_proxy",
+                              "snapkv+kivi4")]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("compressor,schedule", CASES)
+def test_segment_scope_output_equals_deterministic_full_mode(llama, full, compressor, schedule, dtype):
+    vc, sched = run(llama, dtype, kv_compressor=compressor, kv_compression_ratio=4, speculative_algorithm="VERICACHE",
+                    speculative_num_draft_tokens="4", vericache_schedule=schedule, kv_recent_window=8)
+    assert sched.two_tier.segment_scope
+    assert [r.output_ids for r in vc] == [r.output_ids for r in full[dtype]]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full[dtype]]
+    if schedule == "lockstep":
+        assert sched.metrics.spec_rounds_total > 0
+
+
+def test_prefix_hit_reuses_exact_pages_and_recompresses_the_prompt(llama):
+    """A second pass of the same prompts hits the exact tier page by page; no compressed chunk is
+    shared (each prompt is compressed whole, with its own last queries) and none leaks."""
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 400, (33,), generator=g).tolist()
+    batch = [shared + torch.randint(3, 400, (n,), generator=g).tolist() for n in (12, 30)]
+    sched = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
+                                 kv_compressor="snapkv", speculative_algorithm="VERICACHE",
+                                 speculative_num_draft_tokens="4", vericache_schedule="lockstep"))
+    outs = {}
+    for tag in ("a", "b"):
+        reqs = [make_request(f"{tag}{i}", ids, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+                for i, ids in enumerate(batch)]
+        res = run_to_completion(sched, reqs)
+        outs[tag] = [res[f"{tag}{i}"].output_ids for i in range(len(batch))]
+    assert outs["a"] == outs["b"]
+    assert [res[f"b{i}"].cached_tokens for i in range(len(batch))] == [(len(p) - 1) // 8 * 8 for p in batch]
+    assert sched.tree_cache.comp_hit_rate() == 0 and sched.tree_cache.comp_total_chunks() == 0
+    assert sched.two_tier.pool.available_chunks() == sched.two_tier.pool.num_chunks
