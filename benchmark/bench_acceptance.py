@@ -161,7 +161,7 @@ def main() -> None:
     for kind in args.prompt_kinds:
         for lo, hi in sizes:
             make = code_prompts if kind == "code" else chat_prompts
-            ids = [c.ids for c in make(tok, args.num_prompts, lo, hi, model_path=default_model_path())]
+            ids = [c.ids for c in make(tok, args.num_prompts, lo, hi, model_path=bundled_model_path())]
             if not ids:
                 raise SystemExit(f"no {kind} prompt of {lo}-{hi} tokens in the held-out files")
             done = list(rows)

@@ -25,7 +25,7 @@ from common import RESULTS, code_prompts, machine, write_results
 from sglang_vericache.compress.base import CompressorConfig
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.layers.rotary_embedding import get_rope_parameters
-from sglang_vericache.server_args import default_model_path
+from sglang_vericache.server_args import bundled_model_path
 
 
 def our_keep(comp, layer: int, module, hidden, keys, values, position_embeddings) -> torch.Tensor:
@@ -84,7 +84,7 @@ def main() -> None:
     if args.context_tokens % 16:
         raise SystemExit("--context-tokens must be a multiple of 16 (whole pages)")
     tok = AutoTokenizer.from_pretrained(args.model_path)
-    ids = code_prompts(tok, 1, args.context_tokens, args.context_tokens, model_path=default_model_path())[0].ids
+    ids = code_prompts(tok, 1, args.context_tokens, args.context_tokens, model_path=bundled_model_path())[0].ids
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")
     hf = model.config
 

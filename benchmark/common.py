@@ -90,7 +90,7 @@ CHAT_QUESTION = "Explain what the function `{name}` above does, then write it ag
 
 
 def chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
-                 model_path: str = default_model_path()) -> list[CodePrompt]:
+                 model_path: str = bundled_model_path()) -> list[CodePrompt]:
     """n chat prompts of about [min_tokens, max_tokens] tokens: a held-out file's source (its tail, so
     the prompt fits) in a user turn with a question about its last function, in the tokenizer's chat
     template with the assistant's turn opened. Deterministic (files in manifest order)."""
