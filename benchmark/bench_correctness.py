@@ -17,7 +17,8 @@ the share whose output parsed into calls with JSON arguments, and the share iden
 (content and calls). Full mode runs with --enable-deterministic-inference: VeriCache's output is
 defined as deterministic full mode's.
 
-Writes benchmark/results/<out>.{json,md,png}.
+Writes benchmark/results/<out>.{json,md,png}, and <out>_traces.json: every VeriCache mode's rounds
+(drafted, accepted) in bench_acceptance.py's row format, for project_gpu.py --acceptance.
 """
 
 from __future__ import annotations
@@ -49,11 +50,16 @@ STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 
 
 def modes_of(args) -> dict[str, dict]:
-    """Mode name -> its ServerArgs (besides the ones every mode gets)."""
+    """Mode name -> its ServerArgs (besides the ones every mode gets): full, then each compressor's lossy and
+    VeriCache modes, the VeriCache ratios first (a run cut short keeps the comparisons that matter most)."""
     modes = {"full": {"enable_deterministic_inference": True}}
-    for kind, ratios in (("lossy", args.ratios), ("vericache", args.vericache_ratios)):
-        pairs = [(c, None) if c in QUANTIZING_COMPRESSORS else (c, r) for c in args.compressors for r in ratios]
-        for comp, ratio in dict.fromkeys(pairs):
+    ratios = list(dict.fromkeys(args.vericache_ratios + args.ratios))
+    pairs = [(c, None) if c in QUANTIZING_COMPRESSORS else (c, r) for r in ratios for c in args.compressors]
+    for comp, ratio in dict.fromkeys(pairs):
+        for kind in ("lossy", "vericache"):
+            if kind == "lossy" and ratio is not None and ratio not in args.ratios \
+                    or kind == "vericache" and ratio is not None and ratio not in args.vericache_ratios:
+                continue
             flags = {"kv_compressor": comp, "kv_compression_ratio": ratio or 4.0}
             if kind == "vericache":
                 flags.update(speculative_algorithm="VERICACHE", vericache_schedule=args.vericache_schedule,
@@ -69,7 +75,8 @@ def tool_prompt(tok, template: str, call: dict, tools: dict, args):
     """(prompt ids, tool plan) of one tool request, as serving_chat renders it."""
     req = ChatCompletionRequest(messages=[{"role": "user", "content": call["user"]}],
                                 tools=[tools[n] for n in call["tools"]], tool_choice=args.tool_choice,
-                                temperature=0.0, max_tokens=args.tool_max_tokens)
+                                temperature=0.0, max_tokens=args.tool_max_tokens,
+                                parallel_tool_calls=args.parallel_tool_calls)
     plan = tools_in_use(req, args.tool_call_parser, supports_grammar=True)
     text = tok.apply_chat_template([{"role": "user", "content": call["user"]}], chat_template=template,
                                    tokenize=False, add_generation_prompt=True, tools=template_tools(plan.tools))
@@ -87,9 +94,11 @@ def run(model_path: str, server: dict, he_ids, tool_ids, plans, args) -> dict:
     reqs += [make_request(f"tool{i}", ids, max_new_tokens=args.tool_max_tokens, temperature=0.0,
                           **({"json_schema": plan.json_schema} if plan.constrained else {}))
              for i, (ids, plan) in enumerate(zip(tool_ids, plans))]
+    sched.metrics.round_trace = []  # (drafted, accepted) of every VeriCache round, for project_gpu.py
     t0 = time.perf_counter()
     res = run_to_completion(sched, reqs)
     seconds = time.perf_counter() - t0
+    trace = sched.metrics.round_trace
     del sched
     gc.collect()
 
@@ -98,10 +107,21 @@ def run(model_path: str, server: dict, he_ids, tool_ids, plans, args) -> dict:
         return {k: sum(m.get(f"{k}{suffix}", 0) for m in metas)
                 for k, suffix in (("spec_rounds", ""), ("spec_drafted", "_tokens"), ("spec_accepted", "_tokens"))}
 
-    return {"seconds": seconds,
+    return {"seconds": seconds, "round_trace": trace,
             "he_ids": [res[f"he{i}"].output_ids for i in range(len(he_ids))],
             "tool_ids": [res[f"tool{i}"].output_ids for i in range(len(tool_ids))],
             "he_counters": counters("he"), "tool_counters": counters("tool")}
+
+
+def trace_row(server: dict, rounds: list) -> dict:
+    """A VeriCache mode's rounds as a bench_acceptance.py row (what project_gpu.py --acceptance reads)."""
+    drafted, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
+    comp = server["kv_compressor"]
+    return {"compressor": comp, "ratio": None if comp in QUANTIZING_COMPRESSORS else server["kv_compression_ratio"],
+            "draft_tokens": int(server["speculative_num_draft_tokens"]), "schedule": server["vericache_schedule"],
+            "rounds": len(rounds), "drafted": drafted, "accepted": accepted,
+            "accept_length": (accepted + len(rounds)) / len(rounds), "accept_rate": accepted / max(drafted, 1),
+            "round_trace": rounds}
 
 
 def completion_of(tok, ids: list[int]) -> str:
@@ -182,7 +202,8 @@ def table(report: dict) -> str:
         f"HumanEval: {report['humaneval_subset']}; greedy, at most {a['max_new_tokens']} new tokens, cut at "
         f"{', '.join(repr(s) for s in STOP)}. Tool calls: {report['tool_calls']} requests of "
         f"benchmark/data/tool_calls.json as /v1/chat/completions serves them (tool_choice {a['tool_choice']!r}, "
-        f"parser {a['tool_call_parser']}, at most {a['tool_max_tokens']} tokens). VeriCache rounds: "
+        f"parallel_tool_calls {a.get('parallel_tool_calls', True)}, parser {a['tool_call_parser']}, at most "
+        f"{a['tool_max_tokens']} tokens). VeriCache rounds: "
         f"schedule {a['vericache_schedule']}, X = {a['draft_tokens']}; page {a['page_size']}. Full mode runs "
         "with --enable-deterministic-inference (lossy and VeriCache have it on by default on a CPU). Each mode "
         "is one in-process scheduler given every request at once; `seconds`: its wall time for all of them.", "",
@@ -213,6 +234,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if r["mode"] != "full"]
+    if not rows:
+        return
     names = [r["mode"] for r in rows]
     series = {"HumanEval = full": [r["humaneval"]["identical"] for r in rows],
               "tool calls = full": [r["tools"]["identical"] for r in rows],
@@ -253,6 +276,9 @@ def main() -> None:
     p.add_argument("--tool-calls", type=int, default=None, help="The first N tool calls (default: all 60).")
     p.add_argument("--tool-choice", default="auto", choices=("auto", "required"),
                    help="tool_choice of the tool requests (default: auto).")
+    p.add_argument("--parallel-tool-calls", action=argparse.BooleanOptionalAction, default=False,
+                   help="parallel_tool_calls of the tool requests (default: off: under tool_choice 'required' the "
+                        "grammar then ends the array after one call, where a small model would go on calling).")
     p.add_argument("--tool-call-parser", default="hermes", help="The server's tool call parser (default: hermes).")
     p.add_argument("--chat-template", default=str(DATA / "smollm2_tools.jinja"),
                    help="Chat template that renders the tools (default: SmolLM2's tool prompt, "
@@ -275,6 +301,8 @@ def main() -> None:
     rows, full, cache = [], None, {}
     report = {"machine": machine(), "command": shlex.join(["python", *sys.argv]), "args": vars(args),
               "humaneval_subset": subset, "tool_calls": len(calls), "rows": rows}
+    traces = {"model_path": args.model_path, "machine": report["machine"], "command": report["command"],
+              "workload": f"HumanEval ({subset}) and {len(calls)} tool calls in one batch", "rows": []}
     for name, server in tqdm(modes_of(args).items(), desc="modes"):
         out = run(args.model_path, server, he_ids, tool_ids, plans, args)
         completions = [completion_of(tok, ids) for ids in out["he_ids"]]
@@ -288,8 +316,10 @@ def main() -> None:
         tqdm.write(f"{name}: {out['seconds']:.0f} s, pass@1 {row['humaneval']['pass@1']:.1%}, "
                    f"tools exact {row['tools']['exact']:.0%}")
         write_results(args.out, report, table(report))  # after every mode: a cut-short run keeps its rows
-    plot(report, RESULTS / f"{args.out}.png")
-    print(f"wrote {RESULTS / args.out}.png")
+        if out["round_trace"]:
+            traces["rows"].append(trace_row(server, out["round_trace"]))
+            (RESULTS / f"{args.out}_traces.json").write_text(json.dumps(traces, indent=1))
+        plot(report, RESULTS / f"{args.out}.png")
 
 
 if __name__ == "__main__":
