@@ -102,11 +102,15 @@ def load_trace(path: Path, compressor: str, ratio: float, draft_tokens: int) -> 
 def load_traces(path: Path, compressor: str, ratio: float) -> tuple[dict[int, list], dict]:
     """Every draft length's round trace for (compressor, ratio): {draft_tokens: rounds}."""
     rows = _trace_rows(path, compressor, ratio)
-    meta = {
-        r["draft_tokens"]: {"accept_rate": r["accept_rate"], "accept_length": r["accept_length"]}
-        for r in rows
-    }
-    return {r["draft_tokens"]: r["round_trace"] for r in rows}, meta
+    traces: dict[int, list] = {}
+    for r in rows:  # rows of one draft length (other contexts or prompt kinds): their rounds pooled
+        traces.setdefault(r["draft_tokens"], []).extend(r["round_trace"])
+    meta = {}
+    for x, rounds in traces.items():
+        drafted, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
+        meta[x] = {"accept_rate": accepted / max(drafted, 1), "accept_length": (accepted + len(rounds)) / len(rounds),
+                   "rows": sum(r["draft_tokens"] == x for r in rows)}
+    return traces, meta
 
 
 # ---------------------------------------------------------------- simulator

@@ -261,9 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--waves", type=int, default=4, help="Requests per policy = waves x that policy's batch.")
     p.add_argument(
         "--acceptance-json",
+        "--acceptance",
         type=Path,
         default=RESULTS / "acceptance.json",
-        help="bench_acceptance.py output with round_trace rows (fallback rate if missing).",
+        help="bench_acceptance.py output with round_trace rows (fallback rate if missing); rows of one draft "
+        "length (several contexts or prompt kinds) are pooled.",
     )
     p.add_argument("--compressor", default="snapkv", help="Which acceptance.json compressor's traces to use.")
     p.add_argument(
@@ -311,6 +313,14 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def traces_model_of(path: Path) -> str:
+    """Which model the acceptance traces come from, in words (the bench_acceptance.py file's model_path)."""
+    model = json.loads(Path(path).read_text()).get("model_path")
+    if model is None or Path(model).name == "vericache-code-tiny":
+        return "the bundled 8-layer model"
+    return Path(model).name
+
+
 def report_only(args) -> None:
     """Re-render STEM.md and STEM.png from STEM.json (and the calibration file), no simulation."""
     out = args.results_dir / args.out
@@ -338,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             f"round traces from {_rel(args.acceptance_json)} ({args.compressor}, draft lengths "
             f"{sorted(traces)}), the nearest length's rate mapped onto x"
         )
+        traces_model = traces_model_of(args.acceptance_json)
     else:
         print(
             f"WARNING: {args.acceptance_json} not found; using a CONSTANT acceptance rate of "
@@ -346,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         acc, tmeta = Acceptance(rate=args.fallback_accept_rate), {"fallback_rate": args.fallback_accept_rate}
         source = f"FALLBACK constant acceptance rate {args.fallback_accept_rate:.0%} (no trace file)"
+        traces_model = None
     runs = [(cfg, acc, "measured traces") for cfg in configs(args)]
     if args.sensitivity_accept_rate >= 0:  # the paper's acceptance on the paper's hardware
         sens = Acceptance(rate=args.sensitivity_accept_rate)
@@ -376,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "label": LABEL,
         "acceptance_source": source,
+        "traces_model": traces_model,
         "acceptance": tmeta,
         "expected_tokens_per_round": {x: 1 + acc.expected(x) for x in args.draft_lengths},
         "paper_speedup": PAPER_SPEEDUP,
