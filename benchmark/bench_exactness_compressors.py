@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from common import code_prompts, first_divergence, machine, write_results
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 SCHEDULES = ("adaptive", "lockstep", "staggered")
@@ -37,7 +37,7 @@ def prompts_of(tok, lengths: list[int]) -> list[list[int]]:
     """One held-out code prompt per length: the first prompt at least that long, cut to its last N tokens."""
     out = []
     for n in lengths:
-        found = code_prompts(tok, 1, n, n, model_path=default_model_path())  # manifest of the bundled model
+        found = code_prompts(tok, 1, n, n, model_path=bundled_model_path())  # manifest of the bundled model
         if not found:
             raise SystemExit(f"no held-out file gives a code prompt of {n} tokens")
         out.append(found[0].ids)
@@ -72,7 +72,7 @@ def compare(ref: list[tuple], got: list[tuple]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=default_model_path(), help="Checkpoint (default: the bundled model).")
+    p.add_argument("--model-path", default=bundled_model_path(), help="Checkpoint (default: the bundled model).")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="Model and KV dtype (default: bfloat16).")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[8000, 2000, 600, 150],
