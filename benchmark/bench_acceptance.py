@@ -25,10 +25,10 @@ import json
 import statistics
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import (RESULTS, chat_prompts, code_prompts, first_divergence, machine, merge_rows, run_mode,
                     write_results)
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
 from sglang_vericache.server_args import bundled_model_path
@@ -155,7 +155,7 @@ def main() -> None:
         report = {"model_path": parts[0]["model_path"], "machine": machine(), "combined_from": args.combine,
                   "args": [part["args"] for part in parts], "rows": [r for part in parts for r in part["rows"]]}
         return write_report(args, report)
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     sizes = [(n, n) for n in args.context_tokens] if args.context_tokens else [tuple(args.prompt_tokens)]
     rows = []
     for kind in args.prompt_kinds:

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import RESULTS, first_divergence, machine, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.entrypoints.openai.tool_calls import parse_tool_calls, template_tools, tools_in_use
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS, ServerArgs
@@ -292,7 +292,7 @@ def main() -> None:
     data = json.loads((DATA / "tool_calls.json").read_text())
     tools = {t["function"]["name"]: t for t in data["tools"]}
     calls = data["calls"][: args.tool_calls]
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     template = Path(args.chat_template).read_text()
     he_ids = [tok(p["prompt"]).input_ids for p in problems]
     tool_ids, plans = zip(*(tool_prompt(tok, template, c, tools, args) for c in calls))

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import code_prompts, first_divergence, machine, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path
@@ -85,9 +85,11 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=4.0, help="Ratio of the token-dropping compressors (default: 4).")
     p.add_argument("--draft-tokens", default="8", help="Draft tokens per round X (default: 8).")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size (default: 32).")
+    p.add_argument("--kv-compress-scope", default="auto", choices=("auto", "segment", "page"),
+                   help="What a token dropper ranks over (default: auto, the server's default).")
     p.add_argument("--out", default="exactness_compressors", help="Results name under benchmark/results.")
     a = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(a.model_path)
+    tok = get_tokenizer(a.model_path)
     prompts = prompts_of(tok, a.prompt_lengths)
     base = {"model_path": a.model_path, "dtype": a.dtype, "page_size": a.page_size,
             "enable_deterministic_inference": True}
@@ -98,7 +100,7 @@ def main() -> None:
     for comp, schedule in tqdm(configs, desc="vericache runs"):
         server = {**base, "kv_compressor": comp, "kv_compression_ratio": a.ratio,
                   "speculative_algorithm": "VERICACHE", "vericache_schedule": schedule,
-                  "speculative_num_draft_tokens": a.draft_tokens}
+                  "speculative_num_draft_tokens": a.draft_tokens, "kv_compress_scope": a.kv_compress_scope}
         got, counters, seconds = outputs(server, prompts, a.new_tokens)
         row = {"compressor": comp, "schedule": schedule, **compare(ref, got), **counters, "seconds": seconds}
         report["rows"].append(row)

@@ -22,7 +22,6 @@ import statistics
 import time
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import (
     code_prompts,
@@ -33,6 +32,7 @@ from common import (
     run_mode,
     write_results,
 )
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.base import CompressorConfig, exact_bytes_per_token
 from sglang_vericache.compress.registry import COMPRESSOR_NAMES, get_compressor
 from sglang_vericache.mem_cache import two_tier
@@ -72,7 +72,7 @@ def main() -> None:
                    help="Results name under benchmark/results (a subset run: give it another name).")
     args = p.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     prompts = code_prompts(tok, args.num_prompts, *args.prompt_tokens, model_path=args.model_path)
     ids = [c.ids for c in prompts]
     common = dict(page_size=args.page_size, max_running_requests=len(ids))

@@ -19,9 +19,10 @@ import argparse
 import statistics
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from common import RESULTS, code_prompts, machine, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.base import CompressorConfig
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.layers.rotary_embedding import get_rope_parameters
@@ -83,7 +84,7 @@ def main() -> None:
 
     if args.context_tokens % 16:
         raise SystemExit("--context-tokens must be a multiple of 16 (whole pages)")
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     ids = code_prompts(tok, 1, args.context_tokens, args.context_tokens, model_path=bundled_model_path())[0].ids
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")
     hf = model.config

@@ -30,9 +30,9 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import RESULTS, heldout_files, machine, time_forwards, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.server_args import ServerArgs, bundled_model_path, parse_bytes
@@ -185,7 +185,7 @@ def main() -> None:
     if args.output_len is None:
         args.output_len = SWEEP_OUTPUT_LEN if args.sweep else OUTPUT_LEN
 
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     prompts = long_prompts(tok, args.model_path, args.num_requests, args.input_len)
     mc = ModelConfig.from_path(args.model_path)
     dtype = mc.dtype if args.dtype == "auto" else getattr(torch, args.dtype)

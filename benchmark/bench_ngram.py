@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from transformers import AutoTokenizer
 
 from common import code_prompts, machine, run_mode, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS as QUANTIZERS
 from sglang_vericache.server_args import bundled_model_path
 
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--out", default="ngram", help="Results name under benchmark/results.")
     args = p.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     ids = [c.ids for c in code_prompts(tok, args.num_prompts, *args.prompt_tokens, model_path=args.model_path)]
     full = measure(args, ids, args.repeats)
     rows = [{"mode": "full", "compressor": "-", "draft_tokens": None, **full, "identical_to_full": True}]

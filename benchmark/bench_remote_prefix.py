@@ -36,9 +36,9 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common import RESULTS, heldout_files, machine, write_results
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path, parse_bytes
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
@@ -183,7 +183,7 @@ def main() -> None:
     for flag in ("slow_link", "fast_link"):
         parse_bytes(getattr(args, flag), "--" + flag.replace("_", "-"))
 
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     documents, prompts = workload(tok, args.model_path, args.docs, args.doc_len, args.questions, args.question_len)
     work = tempfile.mkdtemp(prefix="bench_remote_prefix_")
     seed_store = os.path.join(work, "seed")

@@ -13,9 +13,9 @@ import json
 import shlex
 import sys
 
-from transformers import AutoTokenizer
 
 from common import RESULTS, code_prompts, machine, run_mode
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.server_args import QUANTIZING_COMPRESSORS, bundled_model_path
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size (default: 32).")
     p.add_argument("--out", default="acceptance_traces", help="Results name under benchmark/results.")
     a = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(a.model_path)
+    tok = get_tokenizer(a.model_path)
     ids = [c.ids for c in code_prompts(tok, a.num_prompts, *a.prompt_tokens, model_path=bundled_model_path())]
     report = {"model_path": a.model_path, "machine": machine(), "command": shlex.join(["python", *sys.argv]),
               "args": vars(a), "prompt_tokens": [len(x) for x in ids], "rows": []}
