@@ -58,6 +58,10 @@ def calm_runner(checkpoint) -> ModelRunner:
         for layer in r.model.model.layers:
             attn = layer.self_attn
             attn.qkv_proj.weight[: attn.q_size].mul_(0.25)
+    if r.batch_invariant_mode is not None:  # the deterministic kernel reads its own packed copy of the weights
+        from sglang_vericache.layers.batch_invariant import pack_linear_layers
+
+        pack_linear_layers(r.model)
     return r
 
 

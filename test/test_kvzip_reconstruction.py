@@ -85,9 +85,9 @@ def chunks_of(sched, rid):
     tt, log = sched.two_tier, {}
     fold = tt.fold
 
-    def recording(req):
+    def recording(req, **kw):
         c = len(req.comp_indices)
-        ok = fold(req)
+        ok = fold(req, **kw)
         if req.rid == rid:
             for j, cid in enumerate(req.comp_indices[c:].tolist()):
                 log[c + j] = [t.clone() for layer in (0, tt.pool.num_layers - 1)

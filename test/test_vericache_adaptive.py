@@ -183,7 +183,7 @@ def test_requests_arriving_before_any_decode_is_measured_are_admitted_as_full_mo
     sched.spec_worker.controller.cost = StepCostModel(ROUNDS_WIN)
     folded = []
     fold = sched.two_tier.fold
-    sched.two_tier.fold = lambda req: (folded.append((req.rid, req.spec.decode_only)), fold(req))[1]
+    sched.two_tier.fold = lambda req, **kw: (folded.append((req.rid, req.spec.decode_only)), fold(req, **kw))[1]
     assert not sched.spec_worker.controller.cost.measured
     assert_same(greedy, run(sched, batch))
     assert {rid for rid, _ in folded} == {f"r{i}" for i in range(len(batch))}

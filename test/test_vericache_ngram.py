@@ -217,7 +217,7 @@ def test_fewer_draft_forwards_per_token_on_a_repetitive_code_prompt():
         s = Scheduler(ServerArgs(model_path=path, dtype="bfloat16", skip_tokenizer_init=True, page_size=16,
                                  kv_compressor="snapkv", kv_compression_ratio=4, speculative_algorithm="VERICACHE",
                                  speculative_num_draft_tokens="8", speculative_ngram=ngram,
-                                 vericache_schedule="lockstep"))
+                                 vericache_schedule="lockstep", kv_compress_scope="page"))
         s.metrics.round_trace = []
         res = run_to_completion(s, [make_request("r", prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True)])
         m = s.metrics

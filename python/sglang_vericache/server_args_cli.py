@@ -85,7 +85,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's tokens) "
              "or segment (a prompt's whole pages after its prefill, with its last queries in view, and generated "
              "tokens in segments past an exact recent window; one budget over the segment). auto: segment for "
-             "token droppers (and DROP+QUANT) without a KV store or dual-instance role, page otherwise.")
+             "token droppers (and DROP+QUANT) without a KV store, a dual-instance role or --speculative-ngram; "
+             "page otherwise.")
     add("--kv-compress-segment-tokens", type=int, default=d["kv_compress_segment_tokens"].default,
         help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at most 32767).")
     add("--kv-recent-window", type=int, default=d["kv_recent_window"].default,

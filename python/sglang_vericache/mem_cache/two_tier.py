@@ -116,7 +116,9 @@ class TwoTierKV:
                 raise ValueError(f"--kv-compress-scope segment: not with {args.kv_compressor} ({why}); "
                                  "use page")
             return True
-        return args.kv_compress_scope == "auto" and capable and not others
+        # n-gram drafting's invariant (the same drafts as plain VeriCache, fewer draft forwards) is tested
+        # on page scope only so far: auto keeps it there.
+        return args.kv_compress_scope == "auto" and capable and not others and not args.speculative_ngram
 
     @staticmethod
     def device_overhead_bytes(args: ServerArgs, model_runner: ModelRunner) -> int:
