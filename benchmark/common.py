@@ -53,18 +53,23 @@ class CodePrompt:
     header: str  # the function's header as it stands in the file (original indentation, no final newline)
 
 
+def parsed_heldout(model_path: str):
+    """(source, its AST) of each held-out file that parses, in manifest order."""
+    for path in heldout_files(model_path):
+        text = path.read_text(errors="replace")
+        try:
+            yield text, ast.parse(text)
+        except SyntaxError:
+            continue
+
+
 def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
                  model_path: str = bundled_model_path(), per_file: int = 1) -> list[CodePrompt]:
     """n prompts of [min_tokens, max_tokens] tokens: the source of a held-out file up to and
     including one of its function headers (signature + docstring), so the model writes the body.
     Up to per_file prompts per file (its first such functions), files in manifest order: deterministic."""
     prompts = []
-    for path in heldout_files(model_path):
-        text = path.read_text(errors="replace")
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
+    for text, tree in parsed_heldout(model_path):
         lines = text.splitlines(keepends=True)
         nodes = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
         taken = 0
@@ -95,12 +100,7 @@ def chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int,
     the prompt fits) in a user turn with a question about its last function, in the tokenizer's chat
     template with the assistant's turn opened. Deterministic (files in manifest order)."""
     prompts = []
-    for path in heldout_files(model_path):
-        text = path.read_text(errors="replace")
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
+    for text, tree in parsed_heldout(model_path):
         funcs = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
         if not funcs:
             continue
