@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
@@ -151,27 +151,37 @@ def _move_in(scratch: str, folder: str, last: str) -> None:
         os.replace(os.path.join(scratch, name), os.path.join(folder, name))
 
 
+def _build_once(folder: str, part: str, marker: str, build: Callable[[str], None]) -> str:
+    """folder, with `part` built once across processes: build(scratch) writes it into a scratch folder
+    under a file lock, and it is moved in with `marker` last (a folder holding the marker is complete)."""
+    if os.path.isfile(os.path.join(folder, marker)):
+        return folder
+    with _locked(folder, part):
+        if os.path.isfile(os.path.join(folder, marker)):
+            return folder
+        scratch = tempfile.mkdtemp(prefix=f".{part}-", dir=folder)
+        try:
+            build(scratch)
+            _move_in(scratch, folder, marker)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
 def ensure_config(gguf_path: str) -> str:
     """The cache folder of `gguf_path` with config.json, generation_config.json and tensors.json."""
     folder = cache_dir(gguf_path)
-    if os.path.isfile(os.path.join(folder, CONFIG_MARKER)):
-        return folder
-    with _locked(folder, "config"):
-        if os.path.isfile(os.path.join(folder, CONFIG_MARKER)):
-            return folder
+
+    def build(scratch: str) -> None:
         t0 = time.perf_counter()
         logger.info("loading GGUF %s: reading its metadata into %s (first start only)", gguf_path, folder)
         arch, table = read_tensor_table(gguf_path)
-        scratch = tempfile.mkdtemp(prefix=".config-", dir=folder)
-        try:
-            with open(os.path.join(scratch, TENSORS_FILE), "w") as f:
-                json.dump({"architecture": arch, "tensors": [asdict(t) for t in table]}, f)
-            _write_hf_config(gguf_path, table, scratch)
-            _move_in(scratch, folder, CONFIG_MARKER)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with open(os.path.join(scratch, TENSORS_FILE), "w") as f:
+            json.dump({"architecture": arch, "tensors": [asdict(t) for t in table]}, f)
+        _write_hf_config(gguf_path, table, scratch)
         logger.info("loading GGUF %s: config cached in %.1f s", gguf_path, time.perf_counter() - t0)
-    return folder
+
+    return _build_once(folder, "config", CONFIG_MARKER, build)
 
 
 def _write_hf_config(gguf_path: str, table: list[TensorEntry], out: str) -> None:
@@ -216,12 +226,8 @@ def load_tensor_table(folder: str) -> tuple[str, list[TensorEntry]]:
 
 def ensure_tokenizer(gguf_path: str) -> str:
     """The cache folder of `gguf_path` with the tokenizer transformers builds from the file."""
-    folder = ensure_config(gguf_path)
-    if os.path.isfile(os.path.join(folder, TOKENIZER_MARKER)):
-        return folder
-    with _locked(folder, "tokenizer"):
-        if os.path.isfile(os.path.join(folder, TOKENIZER_MARKER)):
-            return folder
+
+    def build(scratch: str) -> None:
         from transformers import AutoTokenizer
 
         t0 = time.perf_counter()
@@ -231,11 +237,7 @@ def ensure_tokenizer(gguf_path: str) -> str:
         add_bos = _scalar_metadata(gguf_path).get("tokenizer.ggml.add_bos_token")
         if add_bos is not None and bool(add_bos) != tokenizer.add_bos_token:
             tokenizer.add_bos_token = bool(add_bos)  # the file's flag, as llama.cpp honours it (transformers not)
-        scratch = tempfile.mkdtemp(prefix=".tokenizer-", dir=folder)
-        try:
-            tokenizer.save_pretrained(scratch)
-            _move_in(scratch, folder, TOKENIZER_MARKER)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        logger.info("loading GGUF %s: tokenizer cached in %s (%.1f s)", gguf_path, folder, time.perf_counter() - t0)
-    return folder
+        tokenizer.save_pretrained(scratch)
+        logger.info("loading GGUF %s: tokenizer cached (%.1f s)", gguf_path, time.perf_counter() - t0)
+
+    return _build_once(ensure_config(gguf_path), "tokenizer", TOKENIZER_MARKER, build)
