@@ -1,6 +1,6 @@
-"""The compressor names `--kv-compressor` accepts, and how a composed name splits. No torch import:
-server_args parses flags with it; compress/registry.py builds compressors by the same names (a test
-keeps the two equal).
+"""The compressors `--kv-compressor` accepts: one table (COMPRESSORS) of each name's kind and the class
+that implements it, and how a composed name splits. No torch import: server_args parses flags with it;
+compress/registry.py builds compressors from the same table.
 
     NAME          one registered compressor (a token dropper or a quantizer)
     DROP+QUANT    a token dropper, then a quantizer of the rows it keeps (e.g. snapkv+kivi4)
@@ -8,30 +8,40 @@ keeps the two equal).
 
 from __future__ import annotations
 
-TOKEN_DROPPING = ("streamingllm", "snapkv", "pyramidkv", "h2o", "knorm", "expected_attention", "kvzip",
-                  "kvzip_proxy", "kvzap")
+from typing import NamedTuple
+
+
+class CompressorEntry(NamedTuple):
+    kind: str  # "drop": keeps some tokens' rows exactly; "quant": keeps every row at fewer bits (fixed ratio)
+    module: str  # sglang_vericache.compress.<module>
+    cls: str  # the KVCompressor subclass in it
+    kwargs: dict  # extra constructor keyword arguments besides the CompressorConfig
+
+
+# The one table of compressors, in registry order.
+COMPRESSORS: dict[str, CompressorEntry] = {
+    "streamingllm": CompressorEntry("drop", "streamingllm", "StreamingLLMCompressor", {}),
+    "snapkv": CompressorEntry("drop", "snapkv", "SnapKVCompressor", {}),
+    "pyramidkv": CompressorEntry("drop", "pyramidkv", "PyramidKVCompressor", {}),
+    "h2o": CompressorEntry("drop", "h2o", "H2OCompressor", {}),
+    "knorm": CompressorEntry("drop", "knorm", "KNormCompressor", {}),
+    "kivi2": CompressorEntry("quant", "kivi", "KIVICompressor", {"bits": 2}),
+    "kivi4": CompressorEntry("quant", "kivi", "KIVICompressor", {"bits": 4}),
+    "int8": CompressorEntry("quant", "int8", "Int8Compressor", {}),
+    "fp8": CompressorEntry("quant", "fp8", "FP8Compressor", {}),
+    "expected_attention": CompressorEntry("drop", "expected_attention", "ExpectedAttentionCompressor", {}),
+    "kvzip": CompressorEntry("drop", "kvzip", "KVzipCompressor", {}),
+    "kvzip_proxy": CompressorEntry("drop", "kvzip", "KVzipProxyCompressor", {}),
+    "kvzap": CompressorEntry("drop", "kvzap", "KVzapCompressor", {}),
+    "kvquant3": CompressorEntry("quant", "kvquant", "KVQuantCompressor", {"bits": 3}),
+    "kvquant4": CompressorEntry("quant", "kvquant", "KVQuantCompressor", {"bits": 4}),
+    "rotatekv2": CompressorEntry("quant", "rotatekv", "RotateKVCompressor", {"bits": 2}),
+    "rotatekv4": CompressorEntry("quant", "rotatekv", "RotateKVCompressor", {"bits": 4}),
+}
+KV_COMPRESSORS: tuple[str, ...] = tuple(COMPRESSORS)
+TOKEN_DROPPING: tuple[str, ...] = tuple(n for n, e in COMPRESSORS.items() if e.kind == "drop")
 # Quantizers: the bit width fixes the ratio (their layout is "quantized").
-QUANTIZING = ("kivi2", "kivi4", "int8", "fp8", "kvquant3", "kvquant4", "rotatekv2", "rotatekv4")
-# Registry order (compress/registry.py's COMPRESSOR_NAMES).
-KV_COMPRESSORS = (
-    "streamingllm",
-    "snapkv",
-    "pyramidkv",
-    "h2o",
-    "knorm",
-    "kivi2",
-    "kivi4",
-    "int8",
-    "fp8",
-    "expected_attention",
-    "kvzip",
-    "kvzip_proxy",
-    "kvzap",
-    "kvquant3",
-    "kvquant4",
-    "rotatekv2",
-    "rotatekv4",
-)
+QUANTIZING: tuple[str, ...] = tuple(n for n, e in COMPRESSORS.items() if e.kind == "quant")
 
 
 def split_kv_compressor(spec: str) -> tuple[str, ...]:

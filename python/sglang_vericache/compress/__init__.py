@@ -8,10 +8,9 @@
 
 k, v (and q, positions) may carry leading batch dims to compress N chunks of a layer at once.
 `layout(layer_id)` is static (names, shapes, dtypes of the stored tensors): allocate pools from it.
-A name may be `DROP+QUANT` (`snapkv+kivi4`): the dropper's kept rows, quantized (compose.py).
-
-    token dropping  streamingllm snapkv pyramidkv h2o knorm expected_attention kvzip
-    quantization    kivi2 kivi4 int8 fp8 kvquant3 kvquant4 rotatekv2 rotatekv4
+The names, each one's kind (token dropping or quantization) and class: the one table,
+compressor_names.COMPRESSORS. A name may be `DROP+QUANT` (`snapkv+kivi4`): the dropper's kept rows,
+quantized (compose.py).
 """
 
 from sglang_vericache.compress.base import (

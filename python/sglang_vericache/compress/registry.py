@@ -1,5 +1,5 @@
 """Compressors by name (`--kv-compressor NAME`, or `DROP+QUANT` for a dropper then a quantizer of
-what it keeps). Each factory imports its module lazily."""
+what it keeps), built from compressor_names.COMPRESSORS. Each class's module is imported lazily."""
 
 from __future__ import annotations
 
@@ -9,36 +9,17 @@ import logging
 import torch
 
 from sglang_vericache.compress.base import CompressorConfig, KVCompressor
-from sglang_vericache.compressor_names import split_kv_compressor
+from sglang_vericache.compressor_names import COMPRESSORS, split_kv_compressor
 
-# name -> (module, class, extra constructor kwargs)
-_COMPRESSORS: dict[str, tuple[str, str, dict]] = {
-    "streamingllm": ("streamingllm", "StreamingLLMCompressor", {}),
-    "snapkv": ("snapkv", "SnapKVCompressor", {}),
-    "pyramidkv": ("pyramidkv", "PyramidKVCompressor", {}),
-    "h2o": ("h2o", "H2OCompressor", {}),
-    "knorm": ("knorm", "KNormCompressor", {}),
-    "kivi2": ("kivi", "KIVICompressor", {"bits": 2}),
-    "kivi4": ("kivi", "KIVICompressor", {"bits": 4}),
-    "int8": ("int8", "Int8Compressor", {}),
-    "fp8": ("fp8", "FP8Compressor", {}),
-    "expected_attention": ("expected_attention", "ExpectedAttentionCompressor", {}),
-    "kvzip": ("kvzip", "KVzipCompressor", {}),
-    "kvzip_proxy": ("kvzip", "KVzipProxyCompressor", {}),
-    "kvzap": ("kvzap", "KVzapCompressor", {}),
-    "kvquant3": ("kvquant", "KVQuantCompressor", {"bits": 3}),
-    "kvquant4": ("kvquant", "KVQuantCompressor", {"bits": 4}),
-    "rotatekv2": ("rotatekv", "RotateKVCompressor", {"bits": 2}),
-    "rotatekv4": ("rotatekv", "RotateKVCompressor", {"bits": 4}),
-}
-COMPRESSOR_NAMES: tuple[str, ...] = tuple(_COMPRESSORS)
+COMPRESSOR_NAMES: tuple[str, ...] = tuple(COMPRESSORS)  # the table lives in compressor_names.py
 logger = logging.getLogger(__name__)
 
 
 def resolve(name: str) -> tuple[type, dict]:
     """A registered name -> (its class, its constructor kwargs besides the config)."""
-    module, cls, kwargs = _COMPRESSORS[name]
-    return getattr(importlib.import_module(f"sglang_vericache.compress.{module}"), cls), dict(kwargs)
+    entry = COMPRESSORS[name]
+    module = importlib.import_module(f"sglang_vericache.compress.{entry.module}")
+    return getattr(module, entry.cls), dict(entry.kwargs)
 
 
 def get_compressor(name: str, config: CompressorConfig) -> KVCompressor:
