@@ -14,6 +14,8 @@ import dataclasses
 import json
 from typing import Any
 
+from sglang_vericache.server_args_groups.base import DefaultsHelpFormatter
+
 ROUTER_PACKAGE = "sglang-router"
 ROUTER_INSTALL_HINT = f"pip install {ROUTER_PACKAGE}==0.3.2 (requirements/test.txt)"
 
@@ -47,6 +49,37 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> bool:
         return False
     RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
     return True
+
+
+def router_parser(prog: str) -> argparse.ArgumentParser | None:
+    """A parser of the installed router's flags only, `--router-` prefixed (None without the router).
+    launch_server parses its own flags first and hands this one the rest, so its --help shows the
+    router's ~100 flags only under --help-router."""
+    parser = argparse.ArgumentParser(
+        prog=prog, add_help=False, formatter_class=DefaultsHelpFormatter,
+        usage="%(prog)s --dp-size N [router flags]",
+        description="sglang-router's flags, as launch_server accepts them with --dp-size > 1 (SGLang's "
+                    "sglang_router.launch_server spells them the same): the router in front of the replicas "
+                    "takes them. Flags that would give it other workers than the replicas are refused.")
+    return parser if add_router_cli_args(parser) else None
+
+
+def parse_router_args(tokens: list[str], namespace: argparse.Namespace, prog: str) -> list[str]:
+    """Parses the router's flags among tokens (what launch_server's own parser did not know) into
+    namespace, with the router's defaults for the others; returns the tokens the router does not know."""
+    parser = router_parser(prog)
+    if parser is None:
+        return tokens
+    _, rest = parser.parse_known_args(tokens, namespace=namespace)
+    return rest
+
+
+def router_help(prog: str) -> str:
+    """--help-router's text: the router's flags by its own groups, or how to install it."""
+    parser = router_parser(prog)
+    if parser is None:
+        return f"sglang-router is not installed, so --dp-size > 1 is not available: {ROUTER_INSTALL_HINT}\n"
+    return parser.format_help()
 
 
 def router_flags_given(argv: list[str]) -> list[str]:

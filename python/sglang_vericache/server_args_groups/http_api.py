@@ -1,0 +1,115 @@
+"""HTTP server (where and how requests arrive) and API (chat templates, parsers, sampling defaults)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from sglang_vericache.server_args_groups.base import ArgsGroup
+
+DEFAULT_CUDA_WATCHDOG_S = 300.0  # SGLang's default
+
+
+@dataclass
+class HttpArgs(ArgsGroup):
+    TITLE = "HTTP server"
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    # Output tokens per streaming event (SGLang's --stream-interval); the first token and the finish go
+    # out at once.
+    stream_interval: int = 1
+    watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
+
+    @classmethod
+    def add_cli_args(cls, add) -> None:
+        add("--host", type=str, default=cls.default("host"), help="HTTP host to bind.")
+        add("--port", type=int, default=cls.default("port"), help="HTTP port to bind.")
+        add("--api-key", type=str, default=None,
+            help="Require 'Authorization: Bearer KEY' on every request (/health and /metrics stay open). "
+                 "Default: no key.")
+        add("--served-model-name", type=str, default=None,
+            help="Model name reported by /v1/models (default: --model-path).")
+        add("--stream-interval", type=int, default=cls.default("stream_interval"),
+            help="Output tokens per streaming event (the first token and the finish are always sent at once).")
+        add("--watchdog-timeout", type=float, default=None,
+            help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
+                 "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
+                 "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
+                 "of a large model can take minutes.")
+
+    def check(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+
+    @property
+    def watchdog_timeout_s(self) -> float | None:
+        """The watchdog timeout in force: --watchdog-timeout, else 300 s on CUDA and none on a CPU."""
+        if self.watchdog_timeout is not None:
+            return self.watchdog_timeout
+        return DEFAULT_CUDA_WATCHDOG_S if self.device.startswith("cuda") else None
+
+
+@dataclass
+class ApiArgs(ArgsGroup):
+    TITLE = "API: chat, parsers and sampling"
+
+    chat_template: str | None = None
+    # Tool calling and reasoning models (SGLang's parsers).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # splits <think> text into reasoning_content (OpenAI chat)
+    sampling_defaults: str = "model"  # model: unset OpenAI sampling knobs from generation_config; openai: OpenAI's
+    random_seed: int = 0
+    enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
+
+    @classmethod
+    def add_cli_args(cls, add) -> None:
+        add("--chat-template", type=str, default=None,
+            help="A Jinja chat template file that overrides the tokenizer's own (default: the tokenizer's).")
+        add("--tool-call-parser", type=str, default=None,
+            help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...). "
+                 "Default: none (tool calls are not parsed out of the text).")
+        add("--reasoning-parser", type=str, default=None,
+            help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
+                 "thinking as message.reasoning_content, apart from content (and in stream deltas). Default: "
+                 "none (thinking stays in content).")
+        add("--sampling-defaults", type=str, default=cls.default("sampling_defaults"), choices=("openai", "model"),
+            help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / repetition_penalty "
+                 "unset gets: model: the checkpoint's generation_config.json (for the default model, its model "
+                 "card's temperature 0.2, top_p 0.9), else OpenAI's; openai: OpenAI's (temperature 1, top_p 1).")
+        add("--random-seed", type=int, default=cls.default("random_seed"),
+            help="Seed for the server's random choices (seeds of unseeded requests).")
+        add("--enable-cache-report", action="store_true",
+            help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
+
+    def check(self) -> None:
+        if self.chat_template is not None:
+            self.check_chat_template()
+        if self.sampling_defaults not in ("openai", "model"):
+            raise ValueError(f"--sampling-defaults must be openai or model, got {self.sampling_defaults!r}")
+        if self.reasoning_parser is not None:
+            from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+            if self.reasoning_parser not in ReasoningParser.DetectorMap:
+                names = ", ".join(sorted(ReasoningParser.DetectorMap))
+                raise ValueError(f"--reasoning-parser must be one of {names}; got {self.reasoning_parser!r}")
+
+    def check_chat_template(self) -> None:
+        """--chat-template must be a readable Jinja file: checked at launch, not on the first chat."""
+        path = self.chat_template
+        if not os.path.isfile(path):
+            raise ValueError(f"--chat-template {path}: no such file (give a Jinja chat template file)")
+        import jinja2
+
+        try:
+            with open(path) as f:
+                jinja2.Environment().parse(f.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot be read: {e}") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template {path}: not a valid Jinja template: {e.message} "
+                             f"(line {e.lineno})") from None

@@ -1,0 +1,132 @@
+"""Speculative decoding: VeriCache's rounds (SGLang's --speculative-* names), their schedule, and the
+n-gram proposals the drafter checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_vericache.server_args_groups.base import ArgsGroup
+
+VERICACHE_SCHEDULES = ("adaptive", "auto", "lockstep", "staggered")
+AUTO_MAX_DRAFT_TOKENS = 32  # --speculative-num-draft-tokens auto: the longest round it may choose
+
+
+def parse_draft_tokens(value: str | int) -> int | None:
+    """--speculative-num-draft-tokens, parsed (the one place it is): an integer 1..64, or None for 'auto'."""
+    if value == "auto":
+        return None
+    if not (str(value).isdigit() and 1 <= int(value) <= 64):
+        raise ValueError(f"--speculative-num-draft-tokens must be 1..64 or 'auto', got {value!r}")
+    return int(value)
+
+
+@dataclass
+class SpeculativeArgs(ArgsGroup):
+    TITLE = "Speculative decoding (VeriCache rounds)"
+
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
+    # N-gram proposals checked by the drafter (speculative/ngram.py), SGLang's NGRAM option names.
+    speculative_ngram: bool = False
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_branch_length: int = 8
+    vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (see `schedule`)
+    verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
+
+    @classmethod
+    def add_cli_args(cls, add) -> None:
+        add("--speculative-algorithm", type=str, default=None,
+            help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV "
+                 "(SGLang's spelling of --kv-mode vericache; needs --kv-compressor). Default: none.")
+        add("--speculative-num-draft-tokens", type=str, default=cls.default("speculative_num_draft_tokens"),
+            help=f"Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance "
+                 f"(rounds of up to {AUTO_MAX_DRAFT_TOKENS}).")
+        add("--speculative-ngram", action="store_true",
+            help="VeriCache: look each request's newest tokens up in its own prompt and output (an n-gram "
+                 "index) and let the compressed-KV drafter check the continuation found there, several tokens "
+                 "in one draft forward; it keeps the tokens it would have drafted one at a time anyway, so the "
+                 "drafts, the verification and the output are unchanged, with fewer draft forwards. Any "
+                 "checkpoint.")
+        add("--speculative-ngram-min-match-window-size", type=int,
+            default=cls.default("speculative_ngram_min_match_window_size"),
+            help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose (1-64).")
+        add("--speculative-ngram-max-match-window-size", type=int,
+            default=cls.default("speculative_ngram_max_match_window_size"),
+            help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
+                 "(1-64).")
+        add("--speculative-ngram-branch-length", type=int, default=cls.default("speculative_ngram_branch_length"),
+            help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; "
+                 "also at most the round's drafts left less one). One chain per request (SGLang's BFS breadth "
+                 "1).")
+        add("--vericache-schedule", type=str, default=cls.default("vericache_schedule"), choices=VERICACHE_SCHEDULES,
+            help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
+                 "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds "
+                 "(and their length) and admits host-tier requests only while they add throughput; lockstep: "
+                 "all requests draft, then all verify; staggered: each iteration some verify while the rest "
+                 "draft, booked against link bandwidth and staging memory (lockstep and staggered: fixed "
+                 "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter and "
+                 "at --tp-size > 1.")
+        add("--verify-staging-tokens", type=int, default=cls.default("verify_staging_tokens"),
+            help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
+                 "accelerator; also the longest context a request may have when exact KV is streamed.")
+
+    def check(self) -> None:
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm.upper() != "VERICACHE":
+                raise ValueError(f"--speculative-algorithm must be VERICACHE, got {self.speculative_algorithm!r}")
+            self.speculative_algorithm = "VERICACHE"
+            if not self.kv_compressor:
+                raise ValueError("--speculative-algorithm VERICACHE needs a --kv-compressor to draft with")
+        if self.speculative_ngram:
+            if self.kv_mode != "vericache":
+                raise ValueError("--speculative-ngram checks n-gram proposals with the compressed-KV "
+                                 "drafter: it needs --speculative-algorithm VERICACHE and a --kv-compressor "
+                                 "(a verifier never drafts: pass it to the drafter)")
+            self.ngram_config()  # ValueError names a bad window or branch length
+        if self.vericache_schedule not in VERICACHE_SCHEDULES:
+            raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
+                             f"{self.vericache_schedule!r}")
+        if self.verify_staging_tokens < 1:
+            raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
+        parse_draft_tokens(self.speculative_num_draft_tokens)
+
+    @property
+    def draft_tokens(self) -> int | None:
+        """Draft tokens per round: fixed, or None for 'auto' (DraftLengthPolicy adapts it per request)."""
+        return parse_draft_tokens(self.speculative_num_draft_tokens)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest round: the fixed length, or AUTO_MAX_DRAFT_TOKENS under 'auto'."""
+        fixed = self.draft_tokens
+        return AUTO_MAX_DRAFT_TOKENS if fixed is None else fixed
+
+    @property
+    def schedule(self) -> str | None:
+        """The VeriCache schedule in force (None outside VeriCache). auto is adaptive, except where its
+        controller cannot run: on a remote drafter (disagg/remote_verify.py drives its rounds) and at
+        --tp-size > 1 (the controller would decide from one rank's timings); those run lock-step."""
+        if self.kv_mode != "vericache":
+            return None
+        if self.vericache_schedule != "auto":
+            return self.vericache_schedule
+        return "lockstep" if self.disagg_role == "drafter" or self.tp_size > 1 else "adaptive"
+
+    @property
+    def staggered(self) -> bool:
+        return self.schedule == "staggered"
+
+    @property
+    def adaptive(self) -> bool:
+        """VeriCache driven by the adaptive controller (speculative/adaptive.py)."""
+        return self.schedule == "adaptive"
+
+    def ngram_config(self):
+        """The n-gram proposal settings (None without --speculative-ngram)."""
+        if not self.speculative_ngram:
+            return None
+        from sglang_vericache.speculative.ngram import NgramConfig
+
+        return NgramConfig(self.speculative_ngram_min_match_window_size,
+                           self.speculative_ngram_max_match_window_size, self.speculative_ngram_branch_length)
