@@ -207,7 +207,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
 
         args, runner = self.server_args, self.model_runner
         max_draft = args.max_draft_tokens
-        policy = DraftLengthPolicy(None if args.speculative_num_draft_tokens == "auto" else max_draft, max_draft)
+        policy = DraftLengthPolicy(args.draft_tokens, max_draft)  # draft_tokens: None under "auto"
         draft_pool = None  # a verifier never drafts
         if self.mode == "vericache":
             draft_pool = make_draft_pool(max_draft, self.req_to_token_pool.size, runner.model_config,

@@ -33,8 +33,8 @@ class SchedulerInfoMixin:
                 f"(effective ratio {self.two_tier.compressor.effective_ratio():.2f}x)")
         if self.mode == "lossy":
             return f"KV mode: lossy ({comp}; decodes from the compressed tier alone: outputs differ from full mode)"
-        draft = args.speculative_num_draft_tokens
-        draft = f"auto (up to {args.max_draft_tokens} per round)" if draft == "auto" else f"{draft} per round"
+        draft = f"auto (up to {args.max_draft_tokens} per round)" if args.draft_tokens is None else \
+            f"{args.draft_tokens} per round"
         schedule = {"adaptive": "adaptive (rounds only where the measured costs predict them faster than "
                                 "decoding as full mode; else it decodes as full mode)",
                     "staggered": "staggered", "lockstep": "lock-step"}.get(args.schedule, str(args.schedule))

@@ -74,7 +74,7 @@ class AdaptiveVeriCache:
         self.page_size = page_size
         kv_bytes = runner.token_to_kv_pool.bytes_per_token()
         self.max_draft = round.max_draft
-        fixed = args.speculative_num_draft_tokens != "auto"
+        fixed = args.draft_tokens is not None
         lengths = (self.max_draft,) if fixed else tuple(x for x in DRAFT_LENGTHS if x <= self.max_draft)
         device_bytes = None
         if args.device_kv_budget is not None:
