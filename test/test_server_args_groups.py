@@ -173,3 +173,13 @@ def test_quantization_gguf_is_a_gguf_files_weights(tmp_path):
 def test_draft_tokens_are_parsed_in_one_place(value, draft_tokens, max_draft):
     args = ServerArgs(kv_compressor="snapkv", speculative_algorithm="VERICACHE", speculative_num_draft_tokens=value)
     assert (args.draft_tokens, args.max_draft_tokens) == (draft_tokens, max_draft)
+
+
+def test_usage_md_lists_each_groups_flags_as_help_does():
+    from pathlib import Path
+
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text()
+    for group in build_parser()._action_groups:
+        if group.title in TITLES:
+            flags = ", ".join(f"`{a.option_strings[0]}`" for a in group._group_actions)
+            assert f"\n| {group.title} | {flags} |\n" in usage, group.title

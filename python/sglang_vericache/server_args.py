@@ -49,6 +49,7 @@ from sglang_vericache.server_args_groups.kv_store import (  # noqa: F401
 )
 from sglang_vericache.server_args_groups.memory import SCHEDULE_POLICIES  # noqa: F401
 from sglang_vericache.server_args_groups.model import DTYPES  # noqa: F401
+from sglang_vericache.utils.default_model import default_model_path  # noqa: F401
 
 
 def bundled_model_path() -> str:
