@@ -15,7 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from sglang_vericache.compressor_names import split_kv_compressor  # noqa: F401 (re-exported)
+from sglang_vericache.compressor_names import KV_COMPRESSORS, split_kv_compressor  # noqa: F401 (re-exported)
 from sglang_vericache.server_args_groups import (
     GROUPS,
     ApiArgs,
@@ -30,13 +30,13 @@ from sglang_vericache.server_args_groups import (
     ParallelArgs,
     SpeculativeArgs,
 )
-from sglang_vericache.server_args_groups.base import DefaultsHelpFormatter, add_group, parse_bytes  # noqa: F401
+from sglang_vericache.server_args_groups.base import DefaultsHelpFormatter, add_group
+from sglang_vericache.server_args_groups.base import parse_bytes  # noqa: F401 (re-exported)
 # Re-exported: the allowed values and their parsers.
 from sglang_vericache.server_args_groups.disagg import DISAGG_PREFILLS, DISAGG_ROLES  # noqa: F401
 from sglang_vericache.server_args_groups.http_api import DEFAULT_CUDA_WATCHDOG_S  # noqa: F401
 from sglang_vericache.server_args_groups.kv_mode import (  # noqa: F401
     DEFAULT_KV_COMPRESSION_RATIO,
-    KV_COMPRESSORS,
     KV_MODES,
     QUANTIZING_COMPRESSORS,
     with_kv_mode,
@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sglang_vericache.launch_server",
         usage="%(prog)s [flags] (--help lists every flag)",
         description="Serve a model with SGLang's HTTP API and OpenAI-compatible endpoints. The flags come in "
-                    "groups by concern; sglang-router's own flags (--router-*, with --dp-size > 1) are listed "
-                    "by --help-router.",
+                    "groups by concern; sglang-router's own flags (--router-*, with --dp-size > 1) are "
+                    "listed by --help-router.",
         formatter_class=DefaultsHelpFormatter,
     )
     ServerArgs.add_cli_args(parser)

@@ -29,5 +29,5 @@ GROUPS: tuple[type[ArgsGroup], ...] = (
     LoggingArgs,
 )
 
-__all__ = ["GROUPS", "ApiArgs", "ArgsGroup", "DisaggArgs", "HttpArgs", "KVModeArgs", "KVStoreArgs", "KernelArgs",
-           "LoggingArgs", "MemoryArgs", "ModelArgs", "ParallelArgs", "SpeculativeArgs"]
+__all__ = ["GROUPS", "ApiArgs", "ArgsGroup", "DisaggArgs", "HttpArgs", "KVModeArgs", "KVStoreArgs",
+           "KernelArgs", "LoggingArgs", "MemoryArgs", "ModelArgs", "ParallelArgs", "SpeculativeArgs"]

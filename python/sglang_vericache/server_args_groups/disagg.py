@@ -41,15 +41,15 @@ class DisaggArgs(ArgsGroup):
             help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
                  "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the "
                  "prompt's prefix (from its cache or --kv-store, over its slow link); the verifier loads the "
-                 "exact prefix from its own store, prefills the rest, and returns the first token and the exact "
-                 "KV of the positions past the drafter's compressed pages.")
+                 "exact prefix from its own store, prefills the rest, and returns the first token and the "
+                 "exact KV of the positions past the drafter's compressed pages.")
         add("--disagg-bandwidth", type=str, default=None,
             help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
                  "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
                  "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
         add("--disagg-secret", type=str, default=None,
-            help="Drafter and verifier: a shared secret; every frame between them then carries an HMAC-SHA256 "
-                 "under it, and frames without a valid one are dropped. Default: "
+            help="Drafter and verifier: a shared secret; every frame between them then carries an "
+                 "HMAC-SHA256 under it, and frames without a valid one are dropped. Default: "
                  "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
                  "unauthenticated (the verifier then warns; keep its --host on loopback).")
         add("--disagg-timeout", type=float, default=cls.default("disagg_timeout"),
@@ -85,8 +85,8 @@ class DisaggArgs(ArgsGroup):
             if role != "drafter":
                 raise ValueError("--disagg-prefill verifier is for --disagg-role drafter")
             if self.kv_store_tiers in ("exact", "both"):
-                raise ValueError("--disagg-prefill verifier: the drafter never holds a prompt's exact KV, so its "
-                                 "--kv-store-tiers can only be compressed (or auto)")
+                raise ValueError("--disagg-prefill verifier: the drafter never holds a prompt's exact KV, so "
+                                 "its --kv-store-tiers can only be compressed (or auto)")
         if role == "drafter":
             self.check_drafter()
         if role == "verifier":
@@ -113,5 +113,6 @@ class DisaggArgs(ArgsGroup):
             raise ValueError("--disagg-role drafter drafts: it needs --speculative-algorithm VERICACHE "
                              "and a --kv-compressor")
         if self.uses_link or self.vericache_schedule in ("adaptive", "staggered"):
-            raise ValueError("--disagg-role drafter verifies remotely, in lock-step rounds: --link-bandwidth, "
-                             "--vericache-schedule adaptive / staggered and --kv-offload do not apply")
+            raise ValueError("--disagg-role drafter verifies remotely, in lock-step rounds: "
+                             "--link-bandwidth, --vericache-schedule adaptive / staggered and --kv-offload "
+                             "do not apply")

@@ -33,7 +33,8 @@ class HttpArgs(ArgsGroup):
         add("--served-model-name", type=str, default=None,
             help="Model name reported by /v1/models (default: --model-path).")
         add("--stream-interval", type=int, default=cls.default("stream_interval"),
-            help="Output tokens per streaming event (the first token and the finish are always sent at once).")
+            help="Output tokens per streaming event (the first token and the finish are always sent at "
+                 "once).")
         add("--watchdog-timeout", type=float, default=None,
             help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
                  "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
@@ -71,16 +72,17 @@ class ApiArgs(ArgsGroup):
         add("--chat-template", type=str, default=None,
             help="A Jinja chat template file that overrides the tokenizer's own (default: the tokenizer's).")
         add("--tool-call-parser", type=str, default=None,
-            help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, ...). "
-                 "Default: none (tool calls are not parsed out of the text).")
+            help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, "
+                 "...). Default: none (tool calls are not parsed out of the text).")
         add("--reasoning-parser", type=str, default=None,
             help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
                  "thinking as message.reasoning_content, apart from content (and in stream deltas). Default: "
                  "none (thinking stays in content).")
         add("--sampling-defaults", type=str, default=cls.default("sampling_defaults"), choices=("openai", "model"),
-            help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / repetition_penalty "
-                 "unset gets: model: the checkpoint's generation_config.json (for the default model, its model "
-                 "card's temperature 0.2, top_p 0.9), else OpenAI's; openai: OpenAI's (temperature 1, top_p 1).")
+            help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / "
+                 "repetition_penalty unset gets: model: the checkpoint's generation_config.json (for the "
+                 "default model, its model card's temperature 0.2, top_p 0.9), else OpenAI's; openai: "
+                 "OpenAI's (temperature 1, top_p 1).")
         add("--random-seed", type=int, default=cls.default("random_seed"),
             help="Seed for the server's random choices (seeds of unseeded requests).")
         add("--enable-cache-report", action="store_true",

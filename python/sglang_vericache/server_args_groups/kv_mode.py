@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_vericache.compressor_names import KV_COMPRESSORS, QUANTIZING, TOKEN_DROPPING, split_kv_compressor
+from sglang_vericache.compressor_names import QUANTIZING, TOKEN_DROPPING, split_kv_compressor
 from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
 
 KV_MODES = ("full", "offload", "lossy", "vericache")
@@ -72,10 +72,10 @@ class KVModeArgs(ArgsGroup):
     @classmethod
     def add_cli_args(cls, add) -> None:
         add("--kv-mode", type=str, default=None, choices=KV_MODES,
-            help="full: exact KV on the accelerator (the reference). offload: exact KV in host memory, streamed "
-                 "in every step (= --kv-offload). lossy: compressed KV only (= --kv-compressor alone). "
-                 "vericache: draft over compressed KV, verify over exact KV, output = full's bitwise (= "
-                 "--kv-compressor with --speculative-algorithm VERICACHE). lossy and vericache need "
+            help="full: exact KV on the accelerator (the reference). offload: exact KV in host memory, "
+                 "streamed in every step (= --kv-offload). lossy: compressed KV only (= --kv-compressor "
+                 "alone). vericache: draft over compressed KV, verify over exact KV, output = full's bitwise "
+                 "(= --kv-compressor with --speculative-algorithm VERICACHE). lossy and vericache need "
                  "--kv-compressor. Default: full, or what --kv-compressor / --speculative-algorithm / "
                  "--kv-offload imply.")
         add("--kv-compressor", type=str, default=None,
@@ -89,16 +89,16 @@ class KVModeArgs(ArgsGroup):
         add("--kv-compress-scope", type=str, default=cls.default("kv_compress_scope"),
             choices=("auto", "page", "segment"),
             help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's "
-                 "tokens) or segment (a prompt's whole pages after its prefill, with its last queries in view, "
-                 "and generated tokens in segments past an exact recent window; one budget over the segment). "
-                 "auto: segment for token droppers (and DROP+QUANT) without a KV store, a dual-instance role or "
-                 "--speculative-ngram; page otherwise.")
+                 "tokens) or segment (a prompt's whole pages after its prefill, with its last queries in "
+                 "view, and generated tokens in segments past an exact recent window; one budget over the "
+                 "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
+                 "dual-instance role or --speculative-ngram; page otherwise.")
         add("--kv-compress-segment-tokens", type=int, default=cls.default("kv_compress_segment_tokens"),
-            help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at most "
-                 "32767).")
+            help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
+                 "most 32767).")
         add("--kv-recent-window", type=int, default=cls.default("kv_recent_window"),
-            help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are folded "
-                 "as one segment, leaving this many exact.")
+            help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
+                 "folded as one segment, leaving this many exact.")
         add("--kv-offload", action="store_true",
             help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
                  "(= --kv-mode offload).")
@@ -106,8 +106,8 @@ class KVModeArgs(ArgsGroup):
             help="VeriCache and lossy modes: where the exact KV pool lives. device: accelerator memory "
                  "(which requests count as resident is accounting); host: host memory (page-locked on CUDA), "
                  "every committed token written through to it, forwards reading exact KV through an "
-                 "accelerator page cache (--exact-kv-cache-tokens) that keeps resident requests' pages and the "
-                 "others' tail pages.")
+                 "accelerator page cache (--exact-kv-cache-tokens) that keeps resident requests' pages and "
+                 "the others' tail pages.")
         add("--exact-kv-cache-tokens", type=int, default=None,
             help="With --exact-kv-pool host: tokens of exact KV the accelerator's page cache holds (default: "
                  "what --device-kv-budget holds of it, else the whole pool).")
@@ -134,12 +134,14 @@ class KVModeArgs(ArgsGroup):
         if self.exact_kv_pool not in ("device", "host"):
             raise ValueError(f"--exact-kv-pool must be device or host, got {self.exact_kv_pool!r}")
         if self.exact_kv_pool == "host" and self.kv_mode == "full":
-            raise ValueError("--exact-kv-pool host is for the two-tier modes (VeriCache, lossy): full mode's exact "
-                             "KV is its accelerator tier (--kv-offload is the full-mode offload baseline)")
+            raise ValueError("--exact-kv-pool host is for the two-tier modes (VeriCache, lossy): full mode's "
+                             "exact KV is its accelerator tier (--kv-offload is the full-mode offload "
+                             "baseline)")
         if self.exact_kv_cache_tokens is not None and self.exact_kv_cache_tokens < 1:
             raise ValueError(f"--exact-kv-cache-tokens must be >= 1, got {self.exact_kv_cache_tokens}")
         if self.kv_offload and self.kv_mode != "full":
-            raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have tiers")
+            raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have "
+                             "tiers")
         if self.kv_compressor is not None:
             split_kv_compressor(self.kv_compressor)  # a name or DROP+QUANT; ValueError names the bad part
         if self.kv_compress_scope not in ("auto", "page", "segment"):
@@ -160,6 +162,3 @@ class KVModeArgs(ArgsGroup):
                     f"{self.kv_compressor}: a quantizer's ratio is fixed by its bit width"]
         return []
 
-
-__all__ = ["DEFAULT_KV_COMPRESSION_RATIO", "KV_COMPRESSORS", "KV_MODES", "KVModeArgs", "QUANTIZING_COMPRESSORS",
-           "with_kv_mode"]

@@ -1,4 +1,5 @@
-"""KV store: prompt KV pages in a store shared by instances, found by prefix hash chains (mem_cache/storage)."""
+"""KV store: prompt KV pages in a store shared by instances, found by prefix hash chains
+(mem_cache/storage/)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ class KVStoreArgs(ArgsGroup):
     def add_cli_args(cls, add) -> None:
         add("--kv-store", type=str, default=cls.default("kv_store"), choices=KV_STORE_KINDS,
             help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
-                 "directory on this host), redis (a Redis server), none. Store trouble never fails a request: "
-                 "the prefix is recomputed.")
+                 "directory on this host), redis (a Redis server), none. Store trouble never fails a "
+                 "request: the prefix is recomputed.")
         add("--kv-store-path", type=str, default=None,
             help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
                  "/sglang-vericache/kv-store).")

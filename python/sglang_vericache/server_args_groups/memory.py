@@ -20,9 +20,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 @dataclass
 class MemoryArgs(ArgsGroup):
     TITLE = "Memory and scheduling"
-    DESCRIPTION = ("The exact KV pool's size, by precedence: --max-total-tokens, then --device-kv-budget (full "
-                   "mode) or --host-kv-budget (VeriCache, lossy), then --mem-fraction-static (full mode), else a "
-                   "quarter of the free memory.")
+    DESCRIPTION = ("The exact KV pool's size, by precedence: --max-total-tokens, then --device-kv-budget "
+                   "(full mode) or --host-kv-budget (VeriCache, lossy), then --mem-fraction-static (full "
+                   "mode), else a quarter of the free memory.")
 
     page_size: int = 16
     max_total_tokens: int | None = None

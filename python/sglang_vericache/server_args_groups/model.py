@@ -33,17 +33,18 @@ class ModelArgs(ArgsGroup):
     @classmethod
     def add_cli_args(cls, add) -> None:
         add("--model-path", type=str, default=None,
-            help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or a GGUF file "
-                 "(or a folder holding one .gguf and no config.json): config, weights and tokenizer come from "
-                 "the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: SmolLM2-135M-Instruct "
-                 "(a GGUF file), fetched by scripts/setup_cpu.sh into ~/.cache/sglang_vericache/models.")
+            help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or a GGUF "
+                 "file (or a folder holding one .gguf and no config.json): config, weights and tokenizer "
+                 "come from the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: "
+                 "SmolLM2-135M-Instruct (a GGUF file), fetched by scripts/setup_cpu.sh into "
+                 "~/.cache/sglang_vericache/models.")
         add("--tokenizer-path", type=str, default=None,
             help="Tokenizer folder or GGUF file (default: --model-path).")
         add("--load-format", type=str, default=cls.default("load_format"), choices=LOAD_FORMATS,
-            help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a GGUF "
-                 "file into --dtype; auto is whichever --model-path holds; dummy draws seeded random weights "
-                 "from the config alone (--random-seed), to benchmark a model's shape without its checkpoint "
-                 "(pair with --skip-tokenizer-init or --tokenizer-path).")
+            help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a "
+                 "GGUF file into --dtype; auto is whichever --model-path holds; dummy draws seeded random "
+                 "weights from the config alone (--random-seed), to benchmark a model's shape without its "
+                 "checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
         add("--skip-tokenizer-init", action="store_true",
             help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
         add("--trust-remote-code", action="store_true",
@@ -55,8 +56,9 @@ class ModelArgs(ArgsGroup):
                  "checkpoints; for GGUF: float32 if every weight is stored F32, else bfloat16).")
         add("--kv-cache-dtype", type=str, default=cls.default("kv_cache_dtype"), choices=DTYPES,
             help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
-                 "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every mode "
-                 "(full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to full.")
+                 "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every "
+                 "mode (full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to "
+                 "full.")
         add("--quantization", type=str, default=None,
             help="Weight quantization, SGLang's flag: gguf (the weights of a GGUF --model-path, dequantized "
                  "into --dtype when loaded; implies --load-format gguf). Any other value is refused with an "
@@ -80,8 +82,8 @@ class ModelArgs(ArgsGroup):
         """--quantization gguf (SGLang sets it for a GGUF checkpoint): the weights must come from a GGUF file."""
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization}: quantized weights are not supported, except a "
-                             "GGUF file's (--quantization gguf, dequantized into --dtype when loaded); serve a "
-                             "float32/bfloat16/float16 checkpoint (quantized KV: --kv-compressor kivi4)")
+                             "GGUF file's (--quantization gguf, dequantized into --dtype when loaded); serve "
+                             "a float32/bfloat16/float16 checkpoint (quantized KV: --kv-compressor kivi4)")
         if self.load_format not in ("auto", "gguf"):
             raise ValueError(f"--quantization gguf reads a GGUF file: not with --load-format {self.load_format}")
         from sglang_vericache.utils.gguf_files import gguf_file_of

@@ -44,8 +44,8 @@ class ParallelArgs(ArgsGroup):
             help="HOST:PORT where the ranks meet (torch.distributed's TCP rendezvous, on node 0). Default "
                  "with one node: a free port on 127.0.0.1. Needed with --nnodes > 1.")
         add("--nnodes", type=int, default=cls.default("nnodes"),
-            help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). Start "
-                 "launch_server on every host with the same flags and its own --node-rank.")
+            help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). "
+                 "Start launch_server on every host with the same flags and its own --node-rank.")
         add("--node-rank", type=int, default=cls.default("node_rank"),
             help="This host's index in [0, --nnodes). Node 0 runs rank 0 and serves HTTP; the others run "
                  "their ranks only, and exit when rank 0 does.")
@@ -71,8 +71,9 @@ class ParallelArgs(ArgsGroup):
             raise ValueError("--dp-size with --disagg-role verifier: a verifier serves no HTTP for a router; "
                              "start one verifier process per drafter instead")
         if self.dp_size > 1 and self.dist_init_addr is not None:
-            raise ValueError("--dist-init-addr with --dp-size > 1: every replica's ranks would meet at that one "
-                             "address; leave it unset (each replica's ranks then meet on a free local port)")
+            raise ValueError("--dist-init-addr with --dp-size > 1: every replica's ranks would meet at that "
+                             "one address; leave it unset (each replica's ranks then meet on a free local "
+                             "port)")
 
     def check_tensor_parallel(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -90,9 +91,12 @@ class ParallelArgs(ArgsGroup):
         if self.tp_size == 1:
             return
         for flag, on, why in (
-            ("--vericache-schedule adaptive", self.adaptive, "its controller decides from each rank's own timings"),
-            ("--disagg-role", self.disagg_role != "none", "dual-instance VeriCache runs one rank per instance"),
-            ("--kv-store", self.kv_store != "none", "each rank would store its own heads under the same keys"),
+            ("--vericache-schedule adaptive", self.adaptive, "its controller decides from each rank's own "
+                                                             "timings"),
+            ("--disagg-role", self.disagg_role != "none", "dual-instance VeriCache runs one rank per "
+                                                          "instance"),
+            ("--kv-store", self.kv_store != "none", "each rank would store its own heads under the same "
+                                                    "keys"),
         ):
             if on:
                 raise ValueError(f"{flag} is not supported with --tp-size {self.tp_size} ({why})")

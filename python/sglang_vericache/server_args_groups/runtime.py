@@ -35,29 +35,29 @@ class KernelArgs(ArgsGroup):
             help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
                  "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
         add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
-            help="Batch-invariant inference (the default): every token row is computed by the same arithmetic "
-                 "whatever shares its batch (linear layers as one float32 accumulation per output in a fixed "
-                 "order, attention reduced in fixed chunks of keys), so a prompt's output (tokens and logprobs) "
-                 "is the same alone or under load, chunked or not, cache hit or miss, and VeriCache / lossy "
-                 "output equals full mode's bitwise in every dtype. Default: on with the torch backend on a CPU "
-                 "and the triton backend on CUDA (Triton matmul and fixed-split attention; no CUDA graphs); off "
-                 "on flashinfer. Accepted for SGLang command lines; --disable-deterministic-inference (or "
-                 "--no-enable-deterministic-inference) turns it off.")
+            help="Batch-invariant inference (the default): every token row is computed by the same "
+                 "arithmetic whatever shares its batch (linear layers as one float32 accumulation per output "
+                 "in a fixed order, attention reduced in fixed chunks of keys), so a prompt's output (tokens "
+                 "and logprobs) is the same alone or under load, chunked or not, cache hit or miss, and "
+                 "VeriCache / lossy output equals full mode's bitwise in every dtype. Default: on with the "
+                 "torch backend on a CPU and the triton backend on CUDA (Triton matmul and fixed-split "
+                 "attention; no CUDA graphs); off on flashinfer. Accepted for SGLang command lines; "
+                 "--disable-deterministic-inference (or --no-enable-deterministic-inference) turns it off.")
         add("--disable-deterministic-inference", dest="enable_deterministic_inference", action="store_const",
             const=False, default=None,
-            help="Turn deterministic inference off (default: on, see --enable-deterministic-inference): library "
-                 "matrix products (and CUDA graphs), faster on some machines, but outputs may then change with "
-                 "batch composition and VeriCache / lossy output need not equal full mode's (a startup warning "
-                 "says so).")
+            help="Turn deterministic inference off (default: on, see --enable-deterministic-inference): "
+                 "library matrix products (and CUDA graphs), faster on some machines, but outputs may then "
+                 "change with batch composition and VeriCache / lossy output need not equal full mode's (a "
+                 "startup warning says so).")
         add("--num-threads", type=int, default=None,
             help="torch intra-op threads in the scheduler process (default: torch's, one per core).")
         add("--cpu-half-gemm", type=str, default=cls.default("cpu_half_gemm"), choices=("auto", "native", "float32"),
             help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
                  "native (torch's half GEMM); float32 (each weight also kept in float32, 4 more bytes per "
-                 "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x faster "
-                 "on CPUs without AVX512-BF16/AMX); auto (float32 on a CPU without half-precision dot products "
-                 "while the copies take under a quarter of free memory). Ignored under deterministic inference, "
-                 "whose kernel reads the weights in their own dtype.")
+                 "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x "
+                 "faster on CPUs without AVX512-BF16/AMX); auto (float32 on a CPU without half-precision dot "
+                 "products while the copies take under a quarter of free memory). Ignored under "
+                 "deterministic inference, whose kernel reads the weights in their own dtype.")
         add("--disable-cuda-graph", action="store_true",
             help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
                  "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
@@ -96,12 +96,12 @@ class KernelArgs(ArgsGroup):
         batch-invariant matmul); not on flashinfer."""
         backend, cuda = self.attention_backend, self.device.startswith("cuda")
         if backend == "flashinfer":
-            raise ValueError("--enable-deterministic-inference is not available with --attention-backend flashinfer "
-                             "(its prefill and decode kernels reduce keys in different orders, so a verify row "
-                             "would not equal the decode row); use --attention-backend triton")
+            raise ValueError("--enable-deterministic-inference is not available with --attention-backend "
+                             "flashinfer (its prefill and decode kernels reduce keys in different orders, so "
+                             "a verify row would not equal the decode row); use --attention-backend triton")
         if backend == "torch" and cuda:
-            raise ValueError("--enable-deterministic-inference on CUDA needs --attention-backend triton (the torch "
-                             "backend's batch-invariant attention is a CPU kernel)")
+            raise ValueError("--enable-deterministic-inference on CUDA needs --attention-backend triton (the "
+                             "torch backend's batch-invariant attention is a CPU kernel)")
 
     def warnings(self) -> list[str]:
         graph_flags = [flag for flag, value in (("--cuda-graph-max-bs", self.cuda_graph_max_bs),

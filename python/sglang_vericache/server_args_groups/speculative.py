@@ -44,29 +44,30 @@ class SpeculativeArgs(ArgsGroup):
                  f"(rounds of up to {AUTO_MAX_DRAFT_TOKENS}).")
         add("--speculative-ngram", action="store_true",
             help="VeriCache: look each request's newest tokens up in its own prompt and output (an n-gram "
-                 "index) and let the compressed-KV drafter check the continuation found there, several tokens "
-                 "in one draft forward; it keeps the tokens it would have drafted one at a time anyway, so the "
-                 "drafts, the verification and the output are unchanged, with fewer draft forwards. Any "
-                 "checkpoint.")
+                 "index) and let the compressed-KV drafter check the continuation found there, several "
+                 "tokens in one draft forward; it keeps the tokens it would have drafted one at a time "
+                 "anyway, so the drafts, the verification and the output are unchanged, with fewer draft "
+                 "forwards. Any checkpoint.")
         add("--speculative-ngram-min-match-window-size", type=int,
             default=cls.default("speculative_ngram_min_match_window_size"),
-            help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose (1-64).")
+            help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose "
+                 "(1-64).")
         add("--speculative-ngram-max-match-window-size", type=int,
             default=cls.default("speculative_ngram_max_match_window_size"),
             help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
                  "(1-64).")
         add("--speculative-ngram-branch-length", type=int, default=cls.default("speculative_ngram_branch_length"),
             help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; "
-                 "also at most the round's drafts left less one). One chain per request (SGLang's BFS breadth "
-                 "1).")
+                 "also at most the round's drafts left less one). One chain per request (SGLang's BFS "
+                 "breadth 1).")
         add("--vericache-schedule", type=str, default=cls.default("vericache_schedule"), choices=VERICACHE_SCHEDULES,
             help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
                  "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds "
                  "(and their length) and admits host-tier requests only while they add throughput; lockstep: "
                  "all requests draft, then all verify; staggered: each iteration some verify while the rest "
                  "draft, booked against link bandwidth and staging memory (lockstep and staggered: fixed "
-                 "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter and "
-                 "at --tp-size > 1.")
+                 "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter "
+                 "and at --tp-size > 1.")
         add("--verify-staging-tokens", type=int, default=cls.default("verify_staging_tokens"),
             help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
                  "accelerator; also the longest context a request may have when exact KV is streamed.")
