@@ -3,13 +3,16 @@ re-reading of a page after its repeat prompt and leaves nothing behind; the chun
 a function of the page's prefix (alone or batched, any chunked prefill); and VeriCache over
 kvzip's tier gives deterministic full mode's output bitwise in bfloat16, greedy and seeded,
 lock-step and staggered, on a prefix hit (every compressor's lock-step case is in
-test_deterministic_inference.py)."""
+test_deterministic_inference.py). Page scope (each page's own pass) and segment scope (the whole
+prompt replayed in chunks, as kvpress does, and ranked whole)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sglang_vericache.compress.kvzip import ReconstructionPass, reconstruction_scores
+from sglang_vericache.compress.token_drop import deal, top_k_indices
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.model_executor.reconstruction_pass import NO_TOKENIZER_FIRST, NO_TOKENIZER_NEXT
 from sglang_vericache.server_args import ServerArgs
@@ -21,7 +24,8 @@ PAGE = 8
 NEW = 16
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
 KVZIP = dict(kv_compressor="kvzip", kv_compression_ratio=4, speculative_algorithm="VERICACHE",
-             speculative_num_draft_tokens="6")
+             speculative_num_draft_tokens="6", kv_compress_scope="page")
+SEGMENT = KVZIP | {"kv_compress_scope": "segment"}
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +129,12 @@ def full_runs(qwen2, shared_batch):
     return {s: outputs(scheduler(qwen2), shared_batch, None if s == "greedy" else SEEDED) for s in ("greedy", "seeded")}
 
 
+@pytest.mark.parametrize("scope", ["page", "segment"])
 @pytest.mark.parametrize("schedule, sampling", [("lockstep", "greedy"), ("staggered", "seeded")])
 def test_vericache_over_kvzip_equals_deterministic_full_on_a_prefix_hit(qwen2, shared_batch, full_runs, schedule,
-                                                                       sampling):
-    sched = scheduler(qwen2, **(KVZIP | {"vericache_schedule": schedule}))
+                                                                       sampling, scope):
+    sched = scheduler(qwen2, **(KVZIP | {"vericache_schedule": schedule, "kv_compress_scope": scope}))
+    sched.two_tier.reconstruction.chunk_tokens = min(sched.two_tier.reconstruction.chunk_tokens, 2 * PAGE)
     params = None if sampling == "greedy" else SEEDED
     warm = outputs(sched, shared_batch[:1], params, tag="w")  # caches the shared prefix's pages
     got = outputs(sched, shared_batch, params)
@@ -142,3 +148,51 @@ def test_vericache_over_kvzip_equals_deterministic_full_on_a_prefix_hit(qwen2, s
 def test_a_page_too_long_for_the_pass_is_refused_by_name(qwen2):
     with pytest.raises(ValueError, match="kvzip: the reconstruction pass of a page of 64 tokens"):
         Scheduler(ServerArgs(model_path=qwen2, dtype="bfloat16", skip_tokenizer_init=True, page_size=64, **KVZIP))
+
+
+def test_segment_scope_keeps_the_top_k_of_the_whole_prompt_from_its_chunked_replay(qwen2):
+    """Segment scope: the prompt's whole pages replayed in chunks of 2 pages (each chunk's pass after
+    the segment, over all of it), each chunk's keys scored by its own pass, the top k_l * n per
+    head taken over the whole segment and dealt k_l to each chunk in position order; written out
+    here from one prefill per chunk (deterministic inference is chunking-invariant)."""
+    sched = scheduler(qwen2, **SEGMENT)
+    tt, mr = sched.two_tier, sched.model_runner
+    tt.reconstruction.chunk_tokens = 2 * PAGE
+    ids = prompts([45], seed=3)[0]
+    log = chunks_of(sched, "t0")
+    outputs(sched, [ids])
+    end, n = 5 * PAGE, 5  # the prompt's whole pages, folded as one segment when its prefill completes
+    assert sorted(log) == list(range(n))
+    assert tt.reconstruction.forwards == 3 and tt.fold_pages == n
+    comp, pool = tt.compressor, mr.token_to_kv_pool
+    layers = (0, pool.num_layers - 1)
+    scores = {layer: [] for layer in layers}
+    for a in range(0, end, 2 * PAGE):
+        b = min(end, a + 2 * PAGE)
+        rows = (NO_TOKENIZER_FIRST if a == 0 else NO_TOKENIZER_NEXT + ids[a - 8 : a]) + ids[a:b]
+        ref = new_req(mr)
+        fb = prepare_forward_batch(mr, [ref], [ids[:end] + rows])
+        fb.captured_q, fb.captured_k = {}, {}
+        mr.forward(fb)
+        slots = mr.req_to_token_pool.req_to_token[ref.pool_idx, :end]
+        for layer in layers:
+            keys = pool.get_key_buffer(layer)[slots]
+            rec = ReconstructionPass(fb.captured_q[layer][end:].unflatten(-1, (-1, pool.head_dim)),
+                                     fb.captured_k[layer][end:].unflatten(-1, (-1, pool.head_dim)),
+                                     keys[: min(4, a)] if a else None)
+            scores[layer].append(reconstruction_scores(rec, keys[a:b], comp.config.scale))
+    for j, layer in enumerate(layers):
+        s = torch.cat(scores[layer], dim=-1)
+        s[:, :4] = float("inf")  # the sinks are kept first
+        want = deal(top_k_indices(s, comp.rows(layer) * n), n, comp.rows(layer))  # [n, k_l, H]
+        got = torch.stack([log[p][3 * j + 2][0] for p in range(n)]).long()
+        assert torch.equal(got, want)
+    assert any(log[p][2].unique().numel() > 1 for p in range(n))
+
+
+def test_segment_scope_has_room_for_a_chunks_replay_past_the_context(qwen2):
+    """A segment's replay needs room past the context: the runtime keeps it for kvzip over segments."""
+    sched = scheduler(qwen2, **SEGMENT)
+    rec, mr = sched.two_tier.reconstruction, sched.model_runner
+    assert rec.chunk_tokens == 2048 and sched.two_tier.segment_scope
+    assert mr.req_to_token_pool.max_context_len - mr.model_config.context_len >= rec.max_rows

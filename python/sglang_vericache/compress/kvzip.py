@@ -11,7 +11,10 @@ is exactly that score, given the pass's queries and keys.
 model_executor/reconstruction_pass.py): for a chunk ending at position e, the forward of
 [repeat prompt | the chunk's ids] at positions e, e+1, ..., attending to the exact KV [0, e) and
 causally to itself, every layer's post-RoPE q [R, H_q, D] and k [R, H_kv, D] of those R rows,
-with the exact keys of positions [0, num_sink_tokens) as the sinks. The repeat prompt is
+with the exact keys of positions [0, num_sink_tokens) as the sinks. Over a whole segment
+(--kv-compress-scope segment, the default) the segment is replayed in chunks of up to 2,048 tokens
+(kvpress's chunk_size), every chunk's pass placed after the segment and reading all of it, and the
+top k per head is taken over the whole segment (`segment_keep`). The repeat prompt is
 kvpress's: "Repeat the previous context exactly." before the first chunk, "Repeat the part of the
 previous context exactly, starting with" and the previous chunk's last tokens before the others.
 A chunk's pass reads only the tokens up to its own end, so its compressed bytes are a function of
@@ -24,7 +27,8 @@ re-reading after it (the copy heads a reconstruction exercises never look back),
 rows and the sinks are missing.
 
 Both keep a fixed k_l rows per head and layer (the layout is static), where KVzip ranks all
-heads and layers together (non-uniform budgets). Keys at positions < num_sink_tokens are kept
+heads and layers together (non-uniform budgets: a head's rows would need masking in the draft
+kernels). Keys at positions < num_sink_tokens are kept
 first, as kvpress gives them the top score.
 """
 
@@ -126,7 +130,19 @@ class KVzipCompressor(TokenDropCompressor):
         return top_k_indices(scores, self.kept(layer_id, k))
 
     def segment_queries(self, layer_id: int) -> int:
-        return 0  # its per-page reconstruction passes are folded page by page (TwoTierKV)
+        return 0  # no prefill queries: TwoTierKV hands it the segment's reconstruction scores instead
+
+    def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        """Segment scope: q is the segment's reconstruction scores [H_kv, S] (TwoTierKV replays the
+        segment in chunks, ReconstructionRunner.segment_passes, and scores each chunk's keys with
+        reconstruction_scores, as kvpress scores a context chunk by chunk); the top
+        kept(layer_id, k) per head over the whole segment, sinks first."""
+        want = (self.config.num_kv_heads, k.shape[0])
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != want:
+            got = type(q).__name__ if not isinstance(q, torch.Tensor) else list(q.shape)
+            raise ValueError(f"{self.name}: a segment needs its reconstruction scores {list(want)}, got {got}")
+        sink = (positions.to(q.device) < self.config.num_sink_tokens).unsqueeze(0)
+        return top_k_indices(torch.where(sink, float("inf"), q.float()), self.kept(layer_id, k))
 
 
 class KVzipProxyCompressor(KVzipCompressor):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.compress.base import CompressorConfig
-from sglang_vericache.compress.kvzip import ReconstructionPass
+from sglang_vericache.compress.kvzip import ReconstructionPass, reconstruction_scores
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compress_pages, compress_segment
@@ -90,15 +90,17 @@ class TwoTierKV:
                                  f"{mc.hidden_size}")
         self.reconstruction = None  # kvzip: the model's reconstruction pass of every folded page
         if self.compressor.needs_reconstruction:
-            from sglang_vericache.model_executor.reconstruction_pass import ReconstructionRunner, repeat_prompts
+            from sglang_vericache.model_executor.reconstruction_pass import (
+                KVZIP_CHUNK_TOKENS, ReconstructionRunner, repeat_prompts)
 
             tokenizer = None
             if not args.skip_tokenizer_init:
                 from sglang_vericache.utils.hf_tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(args)
+            chunk = KVZIP_CHUNK_TOKENS if self.segment_scope else None  # segment: kvpress's replay chunks
             self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),
-                                                       cfg.num_sink_tokens)
+                                                       cfg.num_sink_tokens, chunk_tokens=chunk)
         logger.info(
             "compressed tier: %s, %s scope, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
             args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
@@ -108,7 +110,7 @@ class TwoTierKV:
     def resolve_scope(self, args: ServerArgs) -> bool:
         """Whether the compressor ranks segments (True) or pages (False), from --kv-compress-scope."""
         comp = self.compressor
-        capable = hasattr(comp, "compress_segment") and not comp.needs_reconstruction
+        capable = hasattr(comp, "compress_segment")
         others = args.kv_store != "none" or args.disagg_role != "none"  # they share compressed pages
         if args.kv_compress_scope == "segment":
             if not capable or others:
@@ -220,7 +222,9 @@ class TwoTierKV:
         for s in range(c, p, self.segment_pages):
             e = min(p, s + self.segment_pages)
             queries = q_positions = None
-            if self.needs_queries:
+            if self.reconstruction is not None:
+                queries = self.segment_reconstruction_scores(req, s * ps, e * ps)
+            elif self.needs_queries:
                 lo = max(0, s * ps - q_start)
                 q_positions = torch.arange(q_start + lo, committed, dtype=torch.int64)
                 queries = []
@@ -236,6 +240,19 @@ class TwoTierKV:
         drop = max(0, p * ps - q_start)
         for layer in list(req.q_hist):
             req.q_hist[layer] = req.q_hist[layer][drop:]
+
+    def segment_reconstruction_scores(self, req: Req, start: int, end: int) -> list[torch.Tensor]:
+        """kvzip over a segment: per layer, the scores [H_kv, end - start] of the tokens [start, end)
+        from the segment's replay, chunk by chunk (each chunk's keys scored by its own pass)."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        scale, dev = self.compressor.config.scale, self.pool.device
+        scores: list[list[torch.Tensor]] = [[] for _ in range(self.kv_pool.num_layers)]
+        for a, b, layers in self.reconstruction.segment_passes(req.req_pool_idx, req.fill_ids, start, end):
+            slots = row[a:b].to(self.kv_pool.device)
+            for layer, rec in enumerate(layers):
+                k = self.kv_pool.get_key_buffer(layer)[slots].to(dev)
+                scores[layer].append(reconstruction_scores(rec, k, scale))
+        return [torch.cat(parts, dim=-1) for parts in scores]
 
     def fold_seconds_per_page(self) -> float | None:
         """Measured seconds to fold one page (every layer); None before any fold."""

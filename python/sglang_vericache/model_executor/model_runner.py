@@ -12,9 +12,11 @@ from sglang_vericache.mem_cache.device_page_cache import DevicePageCache, pages_
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
+from sglang_vericache.compressor_names import split_kv_compressor
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
+from sglang_vericache.model_executor.reconstruction_pass import KVZIP_CHUNK_TOKENS
 from sglang_vericache.model_loader.loader import load_model
 from sglang_vericache.server_args import ServerArgs, parse_bytes
 
@@ -118,10 +120,21 @@ class ModelRunner:
             return None
         return mode[0] if mode[0] == "triton" else "%s x%d" % mode
 
+    def positions_past_context(self) -> int:
+        """Columns req_to_token keeps past the context: 64, and for kvzip over segments (any
+        --kv-compress-scope but page) its replay of a chunk (KVZIP_CHUNK_TOKENS and its repeat
+        prompt) after the segment."""
+        args = self.server_args
+        if (args.kv_compressor and "kvzip" in split_kv_compressor(args.kv_compressor)
+                and args.kv_compress_scope != "page"):
+            return 64 + KVZIP_CHUNK_TOKENS + 64
+        return 64
+
     def init_memory_pool(self) -> None:
         cfg, args, ps = self.model_config, self.server_args, self.page_size
         self.req_to_token_pool = ReqToTokenPool(
-            size=args.max_running_requests + 8, max_context_len=cfg.context_len + 64, device=self.device
+            size=args.max_running_requests + 8, max_context_len=cfg.context_len + self.positions_past_context(),
+            device=self.device,
         )
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
         bytes_per_token *= torch.tensor([], dtype=self.kv_dtype).element_size()

@@ -9,6 +9,11 @@ whose [0, e) is a copy of the request's: nothing of the request, the pools or th
 changes. One page per forward, batch of one: a page's pass depends on its prefix alone (the
 same bytes batched or alone, in one prefill chunk or several, on a prefix hit or not).
 
+Segment scope (`segment_passes`) replays a whole segment [s, e) as kvpress's KVzipPress replays a
+context: in chunks of up to `chunk_tokens` (kvpress's chunk_size, 2,048), each chunk's pass placed
+right after the segment (positions e, e+1, ...) and attending to the exact KV [0, e), so every
+reconstruction query sees the whole segment.
+
 The repeat prompt is kvpress's (REPEAT_FIRST before page 0, REPEAT_NEXT and the previous
 REPEAT_TAIL_TOKENS ids before the others), tokenized by the model's tokenizer; a checkpoint
 without one (random test checkpoints) gets fixed ids 1..len in their place.
@@ -26,6 +31,7 @@ from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardM
 
 logger = logging.getLogger(__name__)
 
+KVZIP_CHUNK_TOKENS = 2048  # context tokens per replay pass over a segment (kvpress's chunk_size)
 NO_TOKENIZER_FIRST = list(range(1, 11))  # stand-ins for the prompts without a tokenizer
 NO_TOKENIZER_NEXT = list(range(1, 16))
 
@@ -42,19 +48,22 @@ class ReconstructionRunner:
     """Holds the pass's scratch (a req_to_token row and the KV slots of max_rows tokens) and runs
     it; seconds / tokens / forwards add up what it cost (reported apart from the prefill)."""
 
-    def __init__(self, model_runner, page_size: int, prompts: tuple[list[int], list[int]], num_sink_tokens: int):
+    def __init__(self, model_runner, page_size: int, prompts: tuple[list[int], list[int]], num_sink_tokens: int,
+                 chunk_tokens: int | None = None):
         self.runner = model_runner
         self.page_size = page_size
+        self.chunk_tokens = page_size if chunk_tokens is None else chunk_tokens  # context tokens per pass
         self.first, self.next = list(prompts[0]), list(prompts[1])
         self.num_sink_tokens = num_sink_tokens
-        self.max_rows = max(len(self.first), len(self.next) + REPEAT_TAIL_TOKENS) + page_size
+        self.max_rows = max(len(self.first), len(self.next) + REPEAT_TAIL_TOKENS) + self.chunk_tokens
         r2t = model_runner.req_to_token_pool
         margin = r2t.max_context_len - model_runner.model_config.context_len
         if self.max_rows > margin:
+            what = "a page" if chunk_tokens is None else "a chunk"
             raise ValueError(
-                f"kvzip: the reconstruction pass of a page of {page_size} tokens forwards {self.max_rows} rows "
+                f"kvzip: the reconstruction pass of {what} of {self.chunk_tokens} tokens forwards {self.max_rows} rows "
                 f"past the context, more than the {margin} positions the runtime keeps there; use a "
-                f"--page-size of at most {margin - self.max_rows + page_size}"
+                f"--page-size of at most {margin - self.max_rows + self.chunk_tokens}"
             )
         self.row = r2t.alloc()
         alloc = model_runner.token_to_kv_pool_allocator
@@ -77,13 +86,22 @@ class ReconstructionRunner:
         """Per page start s (a page of ids [s, s + page_size) with exact KV in the request's row):
         its pass, one ReconstructionPass per layer, unbatched (q [R, H_q, D], k [R, H_kv, D],
         sink_k [min(S, s), H_kv, D] or None)."""
-        return [self.one(req_pool_idx, ids, s) for s in starts]
+        return [self.one(req_pool_idx, ids, s, s + self.page_size, s + self.page_size) for s in starts]
 
-    def one(self, req_pool_idx: int, ids: list[int], start: int) -> list[ReconstructionPass]:
+    def segment_passes(self, req_pool_idx: int, ids: list[int], start: int, end: int):
+        """The segment [start, end) replayed in chunks of up to chunk_tokens: yields (chunk start,
+        chunk end, its pass per layer), each pass at positions end, end+1, ... over the exact KV
+        [0, end) (sink_k: the keys of [0, min(S, chunk start)))."""
+        for a in range(start, end, self.chunk_tokens):
+            b = min(end, a + self.chunk_tokens)
+            yield a, b, self.one(req_pool_idx, ids, a, b, end)
+
+    def one(self, req_pool_idx: int, ids: list[int], start: int, stop: int, end: int) -> list[ReconstructionPass]:
+        """The pass of ids [start, stop) after its repeat prompt, at positions end, end+1, ...,
+        attending to the request's exact KV [0, end)."""
         t0 = time.perf_counter()
-        mr, ps = self.runner, self.page_size
-        end = start + ps
-        rows = self.prompt(ids, start) + list(ids[start:end])
+        mr = self.runner
+        rows = self.prompt(ids, start) + list(ids[start:stop])
         r = len(rows)
         r2t = mr.req_to_token_pool.req_to_token
         own = r2t[req_pool_idx, :end]
