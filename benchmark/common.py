@@ -233,8 +233,11 @@ def merge_rows(name: str, report: dict, key, settings: tuple[str, ...]) -> dict:
 
 
 def write_results(name: str, report: dict, table: str) -> None:
+    """results/<name>.json and .md; paths inside this checkout are written relative to it (a result
+    names no machine's folders)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+    root = str(RESULTS.resolve().parents[1]) + "/"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2).replace(root, ""))
+    (RESULTS / f"{name}.md").write_text(table.replace(root, "") + "\n")
     print(table)
     print(f"\nwrote {RESULTS / name}.json and .md")

@@ -110,6 +110,24 @@ def test_a_built_library_loads_without_the_build_lock(tmp_path):
     assert cpu_attention._load_built(broken) is False and not broken.exists()
 
 
+def test_an_edited_header_beside_or_below_the_source_renames_the_build(tmp_path):
+    """The build's name hashes csrc/*.h and csrc/draft/*.h: editing a header the kernel includes rebuilds it."""
+    from sgl_kernel_ext import cpu_attention
+
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "draft/part.h"\n')
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "common.h").write_text("// common\n")
+    (tmp_path / "draft" / "part.h").write_text("// part\n")
+    names = [cpu_attention.build_name(source, "k")]
+    (tmp_path / "draft" / "part.h").write_text("// part, edited\n")
+    names.append(cpu_attention.build_name(source, "k"))
+    (tmp_path / "common.h").write_text("// common, edited\n")
+    names.append(cpu_attention.build_name(source, "k"))
+    assert len(set(names)) == 3 and all(n.startswith("k_") for n in names)
+    assert cpu_attention.build_name(source, "k") == names[-1]  # unchanged files: the same name
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_start_equals_the_window_as_a_mask(dtype):
     """A sliding window given as each query's first visible key (start) gives bitwise the result of the

@@ -94,6 +94,31 @@ _EXTRA_HELP = {
 }
 
 
+# (Prometheus name, kind, help, RequestMetrics / SchedulerStats field)
+_REQUEST_METRICS = (
+    ("num_requests_total", "counter", "Requests finished.", "num_requests_total"),
+    ("num_aborted_requests_total", "counter", "Requests aborted.", "num_aborted_requests_total"),
+    ("prompt_tokens_total", "counter", "Prompt tokens processed.", "prompt_tokens_total"),
+    ("generation_tokens_total", "counter", "Output tokens generated.", "generation_tokens_total"),
+    ("cached_tokens_total", "counter", "Prompt tokens served from the prefix cache.", "cached_tokens_total"),
+)
+_REQUEST_HISTOGRAMS = (
+    ("e2e_request_latency_seconds", "End-to-end request latency.", "e2e_latency"),
+    ("time_to_first_token_seconds", "Time to the first output token.", "time_to_first_token"),
+)
+_SCHEDULER_METRICS = (
+    ("num_running_reqs", "gauge", "Requests running (decoding or prefilling).", "num_running_reqs"),
+    ("num_queue_reqs", "gauge", "Requests waiting in the queue.", "num_waiting_reqs"),
+    ("num_used_tokens", "gauge", "KV pool token slots in use.", "num_used_tokens"),
+    ("max_total_num_tokens", "gauge", "KV pool token slots.", "max_total_num_tokens"),
+    ("token_usage", "gauge", "Fraction of the KV pool in use.", "token_usage"),
+    ("cache_hit_rate", "gauge", "Prefix-cache hit rate (cached / prompt tokens).", "cache_hit_rate"),
+    ("gen_throughput", "gauge", "Generation throughput (tokens/s, recent window).", "gen_throughput"),
+    ("num_retracted_reqs_total", "counter", "Requests retracted under memory pressure.",
+     "num_retracted_total"),
+)
+
+
 def render_prometheus(model_name: str, m: RequestMetrics, s: SchedulerStats | None) -> str:
     escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     labels = f'model_name="{escaped}"'
@@ -104,36 +129,15 @@ def render_prometheus(model_name: str, m: RequestMetrics, s: SchedulerStats | No
         lines.append(f"# TYPE sglang:{name} {kind}")
         lines.append(f"sglang:{name}{{{labels}}} {value}")
 
-    metric("num_requests_total", "counter", "Requests finished.", m.num_requests_total)
-    metric("num_aborted_requests_total", "counter", "Requests aborted.", m.num_aborted_requests_total)
-    metric("prompt_tokens_total", "counter", "Prompt tokens processed.", m.prompt_tokens_total)
-    metric("generation_tokens_total", "counter", "Output tokens generated.", m.generation_tokens_total)
-    metric(
-        "cached_tokens_total", "counter", "Prompt tokens served from the prefix cache.", m.cached_tokens_total
-    )
-    for name, hist, help_text in (
-        ("e2e_request_latency_seconds", m.e2e_latency, "End-to-end request latency."),
-        ("time_to_first_token_seconds", m.time_to_first_token, "Time to the first output token."),
-    ):
+    for name, kind, help_text, field_name in _REQUEST_METRICS:
+        metric(name, kind, help_text, getattr(m, field_name))
+    for name, help_text, field_name in _REQUEST_HISTOGRAMS:
         lines.append(f"# HELP sglang:{name} {help_text}")
         lines.append(f"# TYPE sglang:{name} histogram")
-        lines.extend(hist.lines(f"sglang:{name}", labels))
+        lines.extend(getattr(m, field_name).lines(f"sglang:{name}", labels))
     if s is not None:
-        metric("num_running_reqs", "gauge", "Requests running (decoding or prefilling).", s.num_running_reqs)
-        metric("num_queue_reqs", "gauge", "Requests waiting in the queue.", s.num_waiting_reqs)
-        metric("num_used_tokens", "gauge", "KV pool token slots in use.", s.num_used_tokens)
-        metric("max_total_num_tokens", "gauge", "KV pool token slots.", s.max_total_num_tokens)
-        metric("token_usage", "gauge", "Fraction of the KV pool in use.", s.token_usage)
-        metric("cache_hit_rate", "gauge", "Prefix-cache hit rate (cached / prompt tokens).", s.cache_hit_rate)
-        metric(
-            "gen_throughput", "gauge", "Generation throughput (tokens/s, recent window).", s.gen_throughput
-        )
-        metric(
-            "num_retracted_reqs_total",
-            "counter",
-            "Requests retracted under memory pressure.",
-            s.num_retracted_total,
-        )
+        for name, kind, help_text, field_name in _SCHEDULER_METRICS:
+            metric(name, kind, help_text, getattr(s, field_name))
         # Tier and VeriCache counters (compressed tier usage, rounds, drafted / accepted tokens).
         for key, value in sorted(s.extra.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):

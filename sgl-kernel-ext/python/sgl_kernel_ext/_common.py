@@ -80,6 +80,16 @@ else:
         return tl.cdiv(x, d)
 
 
+@interp_helper
+def chunk_keys(chunk_ids, b, stride_cb, n0, hi, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key block n0 of a request whose keys are the rows of its chunks in order (key n: row n % ROWS of chunk
+    chunk_ids[b, n // ROWS]) -> (ok: the keys below hi, their chunk ids, their rows)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    ok = offs_n < hi
+    cid = tl.load(chunk_ids + b * stride_cb + offs_n // ROWS, mask=ok, other=0).to(tl.int64)
+    return ok, cid, offs_n % ROWS
+
+
 @triton.jit
 def split_range(length, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys [lo, hi) of split `split`: length cut into NUM_SPLITS runs of whole BLOCK_N blocks."""
@@ -132,39 +142,50 @@ def online_softmax_block(q, k, v, valid, m_i, l_i, acc, sm_scale, DOT_F32: tl.co
 
 
 @triton.jit
-def store_partial(
-    o_part,
-    lse_part,
-    b,
-    h0,
-    p,
-    m_i,
-    l_i,
-    acc,
-    rows_ok,
-    stride_ob,
-    stride_oh,
-    stride_op,
-    stride_lb,
-    stride_lh,
-    stride_lp,
-    BLOCK_H: tl.constexpr,
-    D: tl.constexpr,
-):
-    """Writes rows h0 + [0, BLOCK_H) (where rows_ok) of partial p; see the box above."""
+def begin_split(q, b, kvh, split, length, stride_qb, stride_qh, G: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """A stage-1 program of request b, KV head kvh and split `split` over `length` keys, before its first key
+    block: its keys [lo, hi), its G query heads from h0 = kvh * G (rows, rows_ok) and an empty softmax state.
+    -> (lo, hi, h0, rows, rows_ok, m_i, l_i, acc)."""
+    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
+    h0 = kvh * G
+    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
+    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
+    return lo, hi, h0, qv, rows_ok, m_i, l_i, acc
+
+
+@triton.jit
+def store_partial(o_part, lse_part, b, h0, p, m_i, l_i, acc, rows_ok, num_heads, num_partials,
+                  BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """Writes rows h0 + [0, BLOCK_H) (where rows_ok) of partial p into the contiguous [B, num_heads,
+    num_partials, D] / [B, num_heads, num_partials] partials (new_partials); see the box above."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptrs = o_part + b * stride_ob + (h0 + offs_h)[:, None] * stride_oh + p * stride_op + offs_d[None, :]
-    tl.store(o_ptrs, out, mask=rows_ok[:, None])
-    tl.store(lse_part + b * stride_lb + (h0 + offs_h) * stride_lh + p * stride_lp, lse, mask=rows_ok)
+    at = (b * num_heads + h0 + offs_h) * num_partials + p  # (b, h, p) of each row
+    tl.store(o_part + at[:, None] * D + offs_d[None, :], out, mask=rows_ok[:, None])
+    tl.store(lse_part + at, lse, mask=rows_ok)
 
 
 def new_partials(
     batch: int, num_heads: int, num_partials: int, head_dim: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous float32 partials o [B, H, P, D], lse [B, H, P] (store_partial and merge_partials
+    address them by (b, h, p))."""
     o = torch.empty((batch, num_heads, num_partials, head_dim), dtype=torch.float32, device=device)
     lse = torch.empty((batch, num_heads, num_partials), dtype=torch.float32, device=device)
     return o, lse
+
+
+def decode_partials(q: torch.Tensor, num_kv_heads: int, max_keys: int, sm_scale: float | None,
+                    num_kv_splits: int | None, extra_parts: int, block_n: int):
+    """A decode call's softmax scale, its splits of max_keys keys (num_kv_splits, else default_splits) and
+    partials for them and extra_parts more (an exact tail's splits, the draft rows'):
+    -> (scale, splits, o_part, lse_part)."""
+    bs, nh, d = q.shape
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    splits = num_kv_splits or default_splits(bs, num_kv_heads, max_keys, block_n)
+    o_part, lse_part = new_partials(bs, nh, splits + extra_parts, d, q.device)
+    return scale, splits, o_part, lse_part

@@ -42,12 +42,13 @@ def cpu_flags() -> str:
 
 
 def build_name(source: Path = _SOURCE, prefix: str = "sgl_kernel_ext_cpu", extra_cflags: tuple[str, ...] = ()) -> str:
-    """The build's name: a hash of the source (its text and where it is), the headers beside it
-    (csrc/*.h), its extra flags, this CPU's flags and torch's version. The path is part of it because torch.utils.cpp_extension rebuilds a build
+    """The build's name: a hash of the source (its text and where it is), the headers beside it and
+    below it (csrc/*.h, csrc/draft/*.h: an edited header rebuilds), its extra flags, this CPU's flags
+    and torch's version. The path is part of it because torch.utils.cpp_extension rebuilds a build
     directory whose sources moved: two checkouts sharing one would recompile on every alternate load
     (and wait on each other's lock)."""
     flags = " ".join(extra_cflags).encode()
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.rglob("*.h")))
     digest = hashlib.sha1(source.read_bytes() + headers + str(source.resolve()).encode() + flags
                           + cpu_flags().encode() + torch.__version__.encode())
     return f"{prefix}_{digest.hexdigest()[:12]}"

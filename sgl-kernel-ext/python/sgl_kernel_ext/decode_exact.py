@@ -14,16 +14,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext._common import (
-    block_h,
-    check_qkv,
-    default_splits,
-    dot_f32,
-    empty_softmax_state,
-    load_query_group,
-    new_partials,
-    online_softmax_block,
-    split_range,
-    store_partial,
+    begin_split, block_h, check_qkv, decode_partials, dot_f32, online_softmax_block, store_partial,
 )
 from sgl_kernel_ext.decode_merge import merge_partials
 
@@ -32,48 +23,18 @@ BLOCK_N = 64
 
 @triton.jit
 def _exact_part_kernel(
-    q,
-    k_buf,
-    v_buf,
-    table,
-    rows,
-    starts,
-    lens,
-    o_part,
-    lse_part,
-    part_offset,
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_t,
-    stride_ob,
-    stride_oh,
-    stride_op,
-    stride_lb,
-    stride_lh,
-    stride_lp,
-    G: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
+    q, k_buf, v_buf, table, rows, starts, lens, o_part, lse_part, part_offset, num_partials, sm_scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_t,
+    G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens + b).to(tl.int32)
     start = tl.load(starts + b).to(tl.int64)
     row = tl.load(rows + b).to(tl.int64)
-    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
+    lo, hi, h0, qv, rows_ok, m_i, l_i, acc = begin_split(q, b, kvh, split, length, stride_qb, stride_qh, G,
+                                                         NUM_SPLITS, BLOCK_H, BLOCK_N, D)
     offs_d = tl.arange(0, D)
-    h0 = kvh * G
-    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
-    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
@@ -85,25 +46,8 @@ def _exact_part_kernel(
             v_buf + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=ok[:, None], other=0.0
         )
         m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
-    store_partial(
-        o_part,
-        lse_part,
-        b,
-        h0,
-        part_offset + split,
-        m_i,
-        l_i,
-        acc,
-        rows_ok,
-        stride_ob,
-        stride_oh,
-        stride_op,
-        stride_lb,
-        stride_lh,
-        stride_lp,
-        BLOCK_H,
-        D,
-    )
+    store_partial(o_part, lse_part, b, h0, part_offset + split, m_i, l_i, acc, rows_ok, tl.num_programs(1) * G,
+                  num_partials, BLOCK_H, D)
 
 
 def exact_part(
@@ -124,33 +68,12 @@ def exact_part(
     hkv, d = k_buffer.shape[1], k_buffer.shape[2]
     g = check_qkv(q, hkv, d)
     assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and q.stride(-1) == 1 and table.stride(1) == 1
+    assert o_part.is_contiguous() and lse_part.is_contiguous(), "partials: new_partials"
     _exact_part_kernel[(q.shape[0], hkv, num_splits)](
-        q,
-        k_buffer,
-        v_buffer,
-        table,
-        rows,
-        starts,
-        lens,
-        o_part,
-        lse_part,
-        part_offset,
-        sm_scale,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        table.stride(0),
-        *o_part.stride()[:3],
-        *lse_part.stride(),
-        G=g,
-        NUM_SPLITS=num_splits,
-        BLOCK_H=block_h(g),
-        BLOCK_N=BLOCK_N,
-        D=d,
-        DOT_F32=dot_f32(q),
+        q, k_buffer, v_buffer, table, rows, starts, lens, o_part, lse_part, part_offset, o_part.shape[2],
+        sm_scale, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), table.stride(0),
+        G=g, NUM_SPLITS=num_splits, BLOCK_H=block_h(g), BLOCK_N=BLOCK_N, D=d, DOT_F32=dot_f32(q),
     )
 
 
@@ -226,23 +149,8 @@ def decode_attention(
     num_kv_splits: int | None = None,  # None: from seq_lens.max() (a host sync)
 ) -> torch.Tensor:
     """-> [B, Hq, D] in q's dtype: softmax(q k^T * sm_scale) v over each request's seq_len keys."""
-    bs, nh, d = q.shape
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    splits = num_kv_splits or default_splits(bs, k_buffer.shape[1], int(seq_lens.max()), BLOCK_N)
-    o_part, lse_part = new_partials(bs, nh, splits, d, q.device)
-    zeros = torch.zeros_like(seq_lens)
-    exact_part(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        zeros,
-        seq_lens,
-        o_part,
-        lse_part,
-        0,
-        splits,
-        scale,
-    )
+    scale, splits, o_part, lse_part = decode_partials(q, k_buffer.shape[1], int(seq_lens.max()), sm_scale,
+                                                      num_kv_splits, 0, BLOCK_N)
+    exact_part(q, k_buffer, v_buffer, req_to_token, req_pool_indices, torch.zeros_like(seq_lens), seq_lens, o_part,
+               lse_part, 0, splits, scale)
     return merge_partials(o_part, lse_part, torch.empty_like(q))

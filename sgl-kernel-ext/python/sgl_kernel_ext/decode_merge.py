@@ -12,52 +12,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge_kernel(
-    o_part,
-    lse_part,
-    out,
-    num_partials,
-    stride_ob,
-    stride_oh,
-    stride_op,
-    stride_lb,
-    stride_lh,
-    stride_lp,
-    stride_outb,
-    stride_outh,
-    BLOCK_P: tl.constexpr,
-    D: tl.constexpr,
-):
+def _merge_kernel(o_part, lse_part, out, num_partials, stride_outb, stride_outh, BLOCK_P: tl.constexpr,
+                  D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, D)
     ok = offs_p < num_partials
-    lse = tl.load(lse_part + b * stride_lb + h * stride_lh + offs_p * stride_lp, mask=ok, other=float("-inf"))
+    at = (b * tl.num_programs(1) + h) * num_partials + offs_p  # (b, h, p): the partials are contiguous
+    lse = tl.load(lse_part + at, mask=ok, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
-    o = tl.load(
-        o_part + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op + offs_d[None, :],
-        mask=ok[:, None] & (w > 0)[:, None],
-        other=0.0,
-    )
+    o = tl.load(o_part + at[:, None] * D + offs_d[None, :], mask=ok[:, None] & (w > 0)[:, None], other=0.0)
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out + b * stride_outb + h * stride_outh + offs_d, res.to(out.dtype.element_ty))
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """o_part [B, H, P, D] f32, lse_part [B, H, P] f32 -> writes and returns out [B, H, D]."""
+    """o_part [B, H, P, D] f32, lse_part [B, H, P] f32, both contiguous (new_partials) -> writes and
+    returns out [B, H, D]."""
     bs, nh, np_, d = o_part.shape
+    assert o_part.is_contiguous() and lse_part.is_contiguous() and out.stride(2) == 1
     _merge_kernel[(bs, nh)](
-        o_part,
-        lse_part,
-        out,
-        np_,
-        *o_part.stride()[:3],
-        *lse_part.stride(),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_P=triton.next_power_of_2(np_),
-        D=d,
+        o_part, lse_part, out, np_, out.stride(0), out.stride(1), BLOCK_P=triton.next_power_of_2(np_), D=d
     )
     return out

@@ -31,18 +31,8 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext._common import (
-    block_h,
-    check_qkv,
-    default_splits,
-    dot_f32,
-    empty_softmax_state,
-    interp_helper,
-    load_query_group,
-    new_partials,
-    online_softmax_block,
-    row_max,
-    split_range,
-    store_partial,
+    begin_split, block_h, check_qkv, chunk_keys, decode_partials, dot_f32, interp_helper, online_softmax_block,
+    row_max, store_partial,
 )
 from sgl_kernel_ext.decode_exact import tail_drafts_and_merge
 
@@ -151,28 +141,20 @@ def _rope(x, p, cos, sin, offs_d, ok, N: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _prerope_part_kernel(
     q, kc, ks, kz, kl, kov, koi, vc, vs, vz, vl, vov, voi, pos, cos, sin, chunk_ids, num_chunks, o_part,
-    lse_part, sm_scale, inv_k, inv_v, stride_qb, stride_qh, stride_cb, stride_ob, stride_oh, stride_op,
-    stride_lb, stride_lh, stride_lp,
+    lse_part, num_partials, sm_scale, inv_k, inv_v, stride_qb, stride_qh, stride_cb,
     ROTATE: tl.constexpr,  # 0 kvquant, 1 rotatekv
     BITS: tl.constexpr, T: tl.constexpr, H: tl.constexpr, NG: tl.constexpr, N_O: tl.constexpr,
     STEPS: tl.constexpr, POS_PER_HEAD: tl.constexpr, KEY_HEADS: tl.constexpr, LOG_KH: tl.constexpr,
     G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     LOG_D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(num_chunks + b).to(tl.int32) * T
-    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
+    lo, hi, h0, qv, rows_ok, m_i, l_i, acc = begin_split(q, b, kvh, split, length, stride_qb, stride_qh, G,
+                                                         NUM_SPLITS, BLOCK_H, BLOCK_N, D)
     offs_d = tl.arange(0, D)
-    h0 = kvh * G
-    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
-    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = offs_n < hi
-        cid = tl.load(chunk_ids + b * stride_cb + offs_n // T, mask=ok, other=0).to(tl.int64)
-        t = offs_n % T
+        ok, cid, t = chunk_keys(chunk_ids, b, stride_cb, n0, hi, T, BLOCK_N)
         if POS_PER_HEAD:
             p = tl.load(pos + (cid * T + t) * H + kvh, mask=ok, other=0)
         else:
@@ -198,8 +180,8 @@ def _prerope_part_kernel(
         m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
     if ROTATE:  # values were attended in the rotated basis: one transform of the output
         acc = _fwht(acc, BLOCK_H, D, LOG_D) * inv_v
-    store_partial(o_part, lse_part, b, h0, split, m_i, l_i, acc, rows_ok, stride_ob, stride_oh, stride_op,
-                  stride_lb, stride_lh, stride_lp, BLOCK_H, D)
+    store_partial(o_part, lse_part, b, h0, split, m_i, l_i, acc, rows_ok, tl.num_programs(1) * G, num_partials,
+                  BLOCK_H, D)
 
 
 def prerope_decode_attention(
@@ -235,7 +217,7 @@ def prerope_decode_attention(
         raise ValueError(f"prerope_decode_attention: {kind} chunks lack {missing}")
     bufs = [chunks[n] for n in names]
     pos = chunks["pos"]
-    bs, nh, d = q.shape
+    bs, _, d = q.shape
     hkv = k_buffer.shape[1]
     g = check_qkv(q, hkv, d)
     kc = bufs[0]
@@ -258,14 +240,12 @@ def prerope_decode_attention(
         assert tuple(ks.shape) == (nc, hkv, d) and tuple(vs.shape) == (nc, t, hkv), "kvquant scales"
         assert tuple(kl.shape) == (nc, 1 << bits), f"kvquant levels {list(kl.shape)}"
         assert koi.dtype in (torch.int16, torch.int32), f"kvquant outlier indices {koi.dtype}"
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * t, BLOCK_N)
-    num_parts = splits + num_tail_splits + int(draft_table is not None)
-    o_part, lse_part = new_partials(bs, nh, num_parts, d, q.device)
+    scale, splits, o_part, lse_part = decode_partials(q, hkv, int(num_chunks.max()) * t, sm_scale, num_kv_splits,
+                                                      num_tail_splits + int(draft_table is not None), BLOCK_N)
     _prerope_part_kernel[(bs, hkv, splits)](
         q, kc, ks, kz, kl, kov, koi, vc, vs, vz, vl, vov, voi, pos, cos, sin, chunk_ids, num_chunks, o_part,
-        lse_part, scale, 1.0 / math.sqrt(key_heads * d), 1.0 / math.sqrt(d), q.stride(0), q.stride(1),
-        chunk_ids.stride(0), *o_part.stride()[:3], *lse_part.stride(),
+        lse_part, o_part.shape[2], scale, 1.0 / math.sqrt(key_heads * d), 1.0 / math.sqrt(d), q.stride(0),
+        q.stride(1), chunk_ids.stride(0),
         ROTATE=rotate, BITS=bits, T=t, H=hkv, NG=ng, N_O=n_o, STEPS=n_o.bit_length(),
         POS_PER_HEAD=pos.dim() == 3,
         KEY_HEADS=key_heads, LOG_KH=key_heads.bit_length() - 1, G=g, NUM_SPLITS=splits, BLOCK_H=block_h(g),

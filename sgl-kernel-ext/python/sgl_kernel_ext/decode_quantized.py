@@ -18,15 +18,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext._common import (
-    block_h,
-    check_qkv,
-    default_splits,
-    dot_f32,
-    empty_softmax_state,
-    load_query_group,
-    new_partials,
-    online_softmax_block,
-    split_range,
+    begin_split, block_h, check_qkv, chunk_keys, decode_partials, dot_f32, online_softmax_block,
     store_partial,
 )
 from sgl_kernel_ext.decode_exact import tail_drafts_and_merge
@@ -81,64 +73,18 @@ def _dequant_rows(
 
 @triton.jit
 def _quantized_part_kernel(
-    q,
-    kc,
-    ks,
-    kz,
-    vc,
-    vs,
-    vz,
-    chunk_ids,
-    num_chunks,
-    o_part,
-    lse_part,
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    skc0,
-    skc1,
-    skc2,
-    svc0,
-    svc1,
-    svc2,
-    sks0,
-    sks1,
-    sks2,
-    svs0,
-    svs1,
-    svs2,
-    stride_cb,
-    stride_ob,
-    stride_oh,
-    stride_op,
-    stride_lb,
-    stride_lh,
-    stride_lp,
-    T: tl.constexpr,
-    BITS: tl.constexpr,
-    GK: tl.constexpr,
-    GV: tl.constexpr,
-    G: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    q, kc, ks, kz, vc, vs, vz, chunk_ids, num_chunks, o_part, lse_part, num_partials, sm_scale,
+    stride_qb, stride_qh, skc0, skc1, skc2, svc0, svc1, svc2, sks0, sks1, sks2, svs0, svs1, svs2, stride_cb,
+    T: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(num_chunks + b).to(tl.int32) * T
-    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
+    lo, hi, h0, qv, rows_ok, m_i, l_i, acc = begin_split(q, b, kvh, split, length, stride_qb, stride_qh, G,
+                                                         NUM_SPLITS, BLOCK_H, BLOCK_N, D)
     offs_d = tl.arange(0, D)
-    h0 = kvh * G
-    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
-    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = offs_n < hi
-        cid = tl.load(chunk_ids + b * stride_cb + offs_n // T, mask=ok, other=0).to(tl.int64)
-        t = offs_n % T
+        ok, cid, t = chunk_keys(chunk_ids, b, stride_cb, n0, hi, T, BLOCK_N)
         kv = _dequant_rows(
             kc, ks, kz, cid, t, kvh, ok, offs_d, skc0, skc1, skc2, sks0, sks1, sks2, BITS, GK, 1
         )
@@ -146,25 +92,8 @@ def _quantized_part_kernel(
             vc, vs, vz, cid, t, kvh, ok, offs_d, svc0, svc1, svc2, svs0, svs1, svs2, BITS, 1, GV
         )
         m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
-    store_partial(
-        o_part,
-        lse_part,
-        b,
-        h0,
-        split,
-        m_i,
-        l_i,
-        acc,
-        rows_ok,
-        stride_ob,
-        stride_oh,
-        stride_op,
-        stride_lb,
-        stride_lh,
-        stride_lp,
-        BLOCK_H,
-        D,
-    )
+    store_partial(o_part, lse_part, b, h0, split, m_i, l_i, acc, rows_ok, tl.num_programs(1) * G, num_partials,
+                  BLOCK_H, D)
 
 
 def quantized_decode_attention(
@@ -190,7 +119,7 @@ def quantized_decode_attention(
     """-> [B, Hq, D] in q's dtype. With the draft_* arguments the context gets a third part after the
     tail: request b's draft rows draft_table[b, :draft_lens[b]] (VeriCache drafting)."""
     bits = KINDS[kind]
-    bs, nh, d = q.shape
+    bs, _, d = q.shape
     hkv = k_buffer.shape[1]
     g = check_qkv(q, hkv, d)
     kc, ks, vc, vs = chunks["k"], chunks["k_scale"], chunks["v"], chunks["v_scale"]
@@ -202,41 +131,12 @@ def quantized_decode_attention(
         kz.stride() == ks.stride() and vz.stride() == vs.stride() and kc.stride(3) == 1 and vc.stride(3) == 1
     )
     assert bits == 8 or (ks.stride(3) == 1 and vs.stride(3) == 1)
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * t, BLOCK_N)
-    num_parts = splits + num_tail_splits + int(draft_table is not None)
-    o_part, lse_part = new_partials(bs, nh, num_parts, d, q.device)
+    scale, splits, o_part, lse_part = decode_partials(q, hkv, int(num_chunks.max()) * t, sm_scale, num_kv_splits,
+                                                      num_tail_splits + int(draft_table is not None), BLOCK_N)
     _quantized_part_kernel[(bs, hkv, splits)](
-        q,
-        kc,
-        ks,
-        kz,
-        vc,
-        vs,
-        vz,
-        chunk_ids,
-        num_chunks,
-        o_part,
-        lse_part,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        *kc.stride()[:3],
-        *vc.stride()[:3],
-        *ks.stride()[:3],
-        *vs.stride()[:3],
-        chunk_ids.stride(0),
-        *o_part.stride()[:3],
-        *lse_part.stride(),
-        T=t,
-        BITS=bits,
-        GK=gk,
-        GV=gv,
-        G=g,
-        NUM_SPLITS=splits,
-        BLOCK_H=block_h(g),
-        BLOCK_N=BLOCK_N,
-        D=d,
+        q, kc, ks, kz, vc, vs, vz, chunk_ids, num_chunks, o_part, lse_part, o_part.shape[2], scale, q.stride(0),
+        q.stride(1), *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], chunk_ids.stride(0),
+        T=t, BITS=bits, GK=gk, GV=gv, G=g, NUM_SPLITS=splits, BLOCK_H=block_h(g), BLOCK_N=BLOCK_N, D=d,
         DOT_F32=dot_f32(q),
     )
     return tail_drafts_and_merge(

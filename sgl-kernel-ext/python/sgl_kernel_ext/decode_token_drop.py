@@ -18,15 +18,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext._common import (
-    block_h,
-    check_qkv,
-    default_splits,
-    dot_f32,
-    empty_softmax_state,
-    load_query_group,
-    new_partials,
-    online_softmax_block,
-    split_range,
+    begin_split, block_h, check_qkv, chunk_keys, decode_partials, dot_f32, online_softmax_block,
     store_partial,
 )
 from sgl_kernel_ext.decode_exact import tail_drafts_and_merge
@@ -36,51 +28,18 @@ BLOCK_N = 64
 
 @triton.jit
 def _token_drop_part_kernel(
-    q,
-    k_rows,
-    v_rows,
-    chunk_ids,
-    num_chunks,
-    o_part,
-    lse_part,
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kc,
-    stride_kr,
-    stride_kh,
-    stride_vc,
-    stride_vr,
-    stride_vh,
-    stride_cb,
-    stride_ob,
-    stride_oh,
-    stride_op,
-    stride_lb,
-    stride_lh,
-    stride_lp,
-    R: tl.constexpr,
-    G: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    q, k_rows, v_rows, chunk_ids, num_chunks, o_part, lse_part, num_partials, sm_scale,
+    stride_qb, stride_qh, stride_kc, stride_kr, stride_kh, stride_vc, stride_vr, stride_vh, stride_cb,
+    R: tl.constexpr, G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(num_chunks + b).to(tl.int32) * R
-    lo, hi = split_range(length, split, NUM_SPLITS, BLOCK_N)
+    lo, hi, h0, qv, rows_ok, m_i, l_i, acc = begin_split(q, b, kvh, split, length, stride_qb, stride_qh, G,
+                                                         NUM_SPLITS, BLOCK_H, BLOCK_N, D)
     offs_d = tl.arange(0, D)
-    h0 = kvh * G
-    qv, rows_ok = load_query_group(q, b, h0, stride_qb, stride_qh, G, BLOCK_H, D)
-    m_i, l_i, acc = empty_softmax_state(BLOCK_H, D)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = offs_n < hi
-        cid = tl.load(chunk_ids + b * stride_cb + offs_n // R, mask=ok, other=0).to(tl.int64)
-        j = offs_n % R
+        ok, cid, j = chunk_keys(chunk_ids, b, stride_cb, n0, hi, R, BLOCK_N)
         k_ptrs = (
             k_rows + cid[:, None] * stride_kc + j[:, None] * stride_kr + kvh * stride_kh + offs_d[None, :]
         )
@@ -90,25 +49,8 @@ def _token_drop_part_kernel(
         kv = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
         vv = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
         m_i, l_i, acc = online_softmax_block(qv, kv, vv, ok[None, :], m_i, l_i, acc, sm_scale, DOT_F32)
-    store_partial(
-        o_part,
-        lse_part,
-        b,
-        h0,
-        split,
-        m_i,
-        l_i,
-        acc,
-        rows_ok,
-        stride_ob,
-        stride_oh,
-        stride_op,
-        stride_lb,
-        stride_lh,
-        stride_lp,
-        BLOCK_H,
-        D,
-    )
+    store_partial(o_part, lse_part, b, h0, split, m_i, l_i, acc, rows_ok, tl.num_programs(1) * G, num_partials,
+                  BLOCK_H, D)
 
 
 def token_drop_decode_attention(
@@ -133,38 +75,17 @@ def token_drop_decode_attention(
 ) -> torch.Tensor:
     """-> [B, Hq, D] in q's dtype. With the draft_* arguments the context gets a third part after the
     tail: request b's draft rows draft_table[b, :draft_lens[b]] (VeriCache drafting)."""
-    bs, nh, d = q.shape
+    bs, _, d = q.shape
     _, rows, hkv, _ = k_rows.shape
     g = check_qkv(q, hkv, d)
     assert k_rows.shape == v_rows.shape and k_rows.stride(3) == 1 and v_rows.stride(3) == 1
     assert chunk_ids.stride(1) == 1
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    splits = num_kv_splits or default_splits(bs, hkv, int(num_chunks.max()) * rows, BLOCK_N)
-    num_parts = splits + num_tail_splits + int(draft_table is not None)
-    o_part, lse_part = new_partials(bs, nh, num_parts, d, q.device)
+    scale, splits, o_part, lse_part = decode_partials(q, hkv, int(num_chunks.max()) * rows, sm_scale, num_kv_splits,
+                                                      num_tail_splits + int(draft_table is not None), BLOCK_N)
     _token_drop_part_kernel[(bs, hkv, splits)](
-        q,
-        k_rows,
-        v_rows,
-        chunk_ids,
-        num_chunks,
-        o_part,
-        lse_part,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        *k_rows.stride()[:3],
-        *v_rows.stride()[:3],
-        chunk_ids.stride(0),
-        *o_part.stride()[:3],
-        *lse_part.stride(),
-        R=rows,
-        G=g,
-        NUM_SPLITS=splits,
-        BLOCK_H=block_h(g),
-        BLOCK_N=BLOCK_N,
-        D=d,
-        DOT_F32=dot_f32(q),
+        q, k_rows, v_rows, chunk_ids, num_chunks, o_part, lse_part, o_part.shape[2], scale, q.stride(0),
+        q.stride(1), *k_rows.stride()[:3], *v_rows.stride()[:3], chunk_ids.stride(0),
+        R=rows, G=g, NUM_SPLITS=splits, BLOCK_H=block_h(g), BLOCK_N=BLOCK_N, D=d, DOT_F32=dot_f32(q),
     )
     return tail_drafts_and_merge(
         q, o_part, lse_part, splits, num_tail_splits, scale, k_buffer, v_buffer, req_to_token, req_pool_indices,

@@ -37,14 +37,8 @@ from sglang_vericache.entrypoints.openai.tool_calls import (
     tools_in_use,
 )
 from sglang_vericache.entrypoints.openai.utils import (
-    SSE_DONE,
-    finish_reason_of,
-    json_response,
-    response_format_schema,
-    sampling_params_of,
-    sse,
-    unset_knobs,
-    usage_of,
+    SSE_DONE, finish_reason_of, json_response, next_event, response_format_schema, sampling_params_of, sse,
+    sse_error, stream_usage, unset_knobs, usage_of,
 )
 from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.sampling.sampling_params import InvalidRequest
@@ -284,17 +278,13 @@ async def stream_chunks(
                         index=idx, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched
                     )
                 )
-            try:
-                event = await gen.__anext__()
-            except StopAsyncIteration:
-                event = None
+            event = await next_event(gen)
         if req.stream_options and req.stream_options.include_usage:
-            outs = [finals[i] for i in sorted(finals)]
-            usage = usage_of(outs, req.n, cache_report)
+            usage = stream_usage(finals, req.n, cache_report)
             last = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage)
             yield sse(last)
     except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
-        yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
+        yield sse_error(e)
     finally:
         await gen.aclose()
     yield SSE_DONE

@@ -17,15 +17,8 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 
 from sglang_vericache.entrypoints.openai.utils import (
-    SSE_DONE,
-    completion_logprobs,
-    finish_reason_of,
-    json_response,
-    response_format_schema,
-    sampling_params_of,
-    sse,
-    unset_knobs,
-    usage_of,
+    SSE_DONE, completion_logprobs, finish_reason_of, json_response, next_event, response_format_schema,
+    sampling_params_of, sse, sse_error, stream_usage, unset_knobs, usage_of,
 )
 from sglang_vericache.managers.req_input import GenerateReqInput
 from sglang_vericache.sampling.sampling_params import InvalidRequest
@@ -154,16 +147,12 @@ async def _stream(tm, req, gen, first, prompts, rid, created, model, n) -> Async
                 yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
             if reason is not None:
                 finals[idx] = event
-            try:
-                event = await gen.__anext__()
-            except StopAsyncIteration:
-                event = None
+            event = await next_event(gen)
         if req.stream_options and req.stream_options.include_usage:
-            outs = [finals[i] for i in sorted(finals)]
-            usage = usage_of(outs, n, tm.server_args.enable_cache_report)
+            usage = stream_usage(finals, n, tm.server_args.enable_cache_report)
             yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001 - reported to the client as an SSE error event
-        yield sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
+        yield sse_error(e)
     finally:
         await gen.aclose()
     yield SSE_DONE

@@ -4,6 +4,7 @@ and the sampling params a chat or completion request carries."""
 from __future__ import annotations
 
 from http import HTTPStatus
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -38,6 +39,19 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def sse_error(e: Exception) -> bytes:
+    """The error event of a stream already under way (its HTTP status was sent with its first bytes)."""
+    return sse({"error": {"message": str(e), "code": getattr(e, "status_code", 500)}})
+
+
+async def next_event(gen: AsyncIterator[dict]) -> dict | None:
+    """The generator's next event; None once it has ended."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 def finish_reason_of(meta: dict) -> tuple[str | None, str | int | None]:
     """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop)."""
     reason = meta.get("finish_reason")
@@ -55,6 +69,11 @@ def usage_of(outs: list[dict], n: int, cache_report: bool = False) -> UsageInfo:
     """SGLang's usage: prompt tokens (and, with --enable-cache-report, cached prompt tokens) count
     once per prompt, not per sample; completion tokens per sample."""
     return UsageProcessor.calculate_response_usage(outs, n_choices=n, enable_cache_report=cache_report)
+
+
+def stream_usage(finals: dict[int, dict], n: int, cache_report: bool = False) -> UsageInfo:
+    """usage_of a finished stream: finals holds each choice's last event by choice index."""
+    return usage_of([finals[i] for i in sorted(finals)], n, cache_report)
 
 
 def completion_logprobs(

@@ -62,7 +62,7 @@ def build_staged_metadata(
         prefix, seq = torch.tensor(prefix_lens, **i64), torch.tensor(seq_lens, **i64)
         i = torch.arange(max_q, device=dev)[None, :, None]
         j = torch.arange(max_s, device=dev)[None, None, :]
-        allowed = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # as torch_backend._causal_mask
+        allowed = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # as torch_metadata.causal_mask
     q_index = out_index = None
     if any(e != max_q for e in ext_lens):
         ext = torch.tensor(ext_lens, dtype=torch.int64, device=dev)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from sglang_vericache.layers.attention.torch_backend import PaddedMetadata, RaggedBlock
+    from sglang_vericache.layers.attention.torch_metadata import PaddedMetadata, RaggedBlock
     from sglang_vericache.layers.radix_attention import RadixAttention
 
 logger = logging.getLogger(__name__)
