@@ -16,6 +16,7 @@ from sglang_vericache.server_args_checks import (  # noqa: F401 (re-exported: th
     DTYPES,
     KV_STORE_KINDS,
     KV_STORE_TIERS,
+    NgramConfig,
     QUANTIZING_COMPRESSORS,
     SCHEDULE_POLICIES,
     ServerArgsChecks,
@@ -226,8 +227,6 @@ class ServerArgs(ServerArgsChecks):
         """The n-gram proposal settings (None without --speculative-ngram)."""
         if not self.speculative_ngram:
             return None
-        from sglang_vericache.speculative.ngram import NgramConfig
-
         return NgramConfig(self.speculative_ngram_min_match_window_size,
                            self.speculative_ngram_max_match_window_size, self.speculative_ngram_branch_length)
 

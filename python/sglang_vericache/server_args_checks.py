@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 # The compressor registry's names and the DROP+QUANT rule, torch-free (tests keep them equal to
 # compress/registry.py); QUANTIZING_COMPRESSORS: layout "quantized", the bit width fixes the ratio.
@@ -25,6 +26,23 @@ KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
 DISAGG_ROLES = ("none", "drafter", "verifier")  # dual-instance VeriCache (issue 8, disagg/)
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DISAGG_PREFILLS = ("local", "verifier")
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """N-gram drafting's settings (speculative/ngram.py): --speculative-ngram-min-match-window-size /
+    -max-match-window-size / -branch-length."""
+
+    min_window: int = 1
+    max_window: int = 12
+    branch_length: int = 8  # the most proposal tokens one draft forward checks per request
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_window <= self.max_window <= 64:
+            raise ValueError("--speculative-ngram-min-match-window-size / -max-match-window-size must "
+                             f"satisfy 1 <= min <= max <= 64, got {self.min_window} / {self.max_window}")
+        if not 1 <= self.branch_length <= 64:
+            raise ValueError(f"--speculative-ngram-branch-length must be 1..64, got {self.branch_length}")
 
 
 def default_kv_store_path() -> str:

@@ -5,7 +5,8 @@ Per request (two-tier modes), on top of the exact-tier invariant in Req:
   q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
                 (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
                 the attention inputs [n, hidden] instead).
-kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner).
+kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner,
+compress/kvzip_reconstruction.py, which the scheduler builds and hands to TwoTierKV.reconstruction).
 
 Two scopes (`segment_scope`, --kv-compress-scope):
   page     a page is folded (compressed) alone as soon as its exact KV is committed, so the exact
@@ -88,17 +89,9 @@ class TwoTierKV:
             if hidden != mc.hidden_size:
                 raise ValueError(f"kvzap: the surrogate reads hidden states of {hidden}, the model's are "
                                  f"{mc.hidden_size}")
-        self.reconstruction = None  # kvzip: the model's reconstruction pass of every folded page
-        if self.compressor.needs_reconstruction:
-            from sglang_vericache.model_executor.reconstruction_pass import ReconstructionRunner, repeat_prompts
-
-            tokenizer = None
-            if not args.skip_tokenizer_init:
-                from sglang_vericache.utils.hf_tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(args)
-            self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),
-                                                       cfg.num_sink_tokens)
+        # kvzip: the model's reconstruction pass of every folded page, handed in by whoever builds the
+        # cache (the scheduler: compress/kvzip_reconstruction.py); the cache never runs the model itself.
+        self.reconstruction = None
         logger.info(
             "compressed tier: %s, %s scope, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
             args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
@@ -200,7 +193,7 @@ class TwoTierKV:
             for layer in list(req.q_hist):
                 req.q_hist[layer] = req.q_hist[layer][(p - c) * ps :]
         positions = torch.arange(c * ps, p * ps, dtype=torch.int64)
-        if self.reconstruction is not None:
+        if self.compressor.needs_reconstruction:
             self.fold_reconstructed(req, c, p, slots, ids, positions)
         else:
             compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
@@ -244,6 +237,9 @@ class TwoTierKV:
     def fold_reconstructed(self, req: Req, c: int, p: int, slots, ids, positions) -> None:
         """Pages [c, p) of req through their reconstruction passes; pages whose passes have the
         same shape (every page after the first) are compressed together."""
+        if self.reconstruction is None:
+            raise RuntimeError(f"{self.compressor.name} folds pages through a reconstruction pass, and none was "
+                               "handed to this TwoTierKV (compress/kvzip_reconstruction.py: reconstruction_for)")
         ps = self.page_size
         passes = self.reconstruction.passes(req.req_pool_idx, req.fill_ids, [i * ps for i in range(c, p)])
         groups: dict[tuple, list[int]] = {}

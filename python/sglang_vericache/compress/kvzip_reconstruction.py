@@ -1,5 +1,6 @@
 """KVzip's context-reconstruction pass (compress/kvzip.py), run by the model for the pages a
-request folds.
+request folds. The scheduler builds it (reconstruction_for) and hands it to the two-tier cache,
+which calls it for every page it folds: the cache never starts a model forward of its own.
 
 For the page [s, e) of a request, one EXTEND forward of R rows, [repeat prompt | the page's ids],
 at positions e .. e+R-1: the rows attend to the request's exact KV [0, e) and causally to each
@@ -120,3 +121,14 @@ class ReconstructionRunner:
         self.tokens += r
         self.forwards += 1
         return out
+
+
+def reconstruction_for(server_args, model_runner, page_size: int, num_sink_tokens: int) -> ReconstructionRunner:
+    """The pass of a kvzip two-tier cache: the repeat prompts in --tokenizer-path's tokenizer (fixed
+    ids with --skip-tokenizer-init)."""
+    tokenizer = None
+    if not server_args.skip_tokenizer_init:
+        from sglang_vericache.utils.hf_tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(server_args)
+    return ReconstructionRunner(model_runner, page_size, repeat_prompts(tokenizer), num_sink_tokens)
