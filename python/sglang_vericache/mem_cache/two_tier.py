@@ -36,7 +36,7 @@ from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compres
 from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
-    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.mem_cache.cache_req import CacheReq
     from sglang_vericache.model_executor.model_runner import ModelRunner
     from sglang_vericache.server_args import ServerArgs
 
@@ -133,7 +133,7 @@ class TwoTierKV:
         folds (a decode-only request has no compressed tier; record_queries keeps none of its)."""
         return self.needs_queries and any(not r.spec.decode_only for r in reqs)
 
-    def record_queries(self, req: Req, captured: dict, rows: slice, n_keep: int | None = None) -> None:
+    def record_queries(self, req: CacheReq, captured: dict, rows: slice, n_keep: int | None = None) -> None:
         """Appends this pass's queries of req (rows of the flattened batch) to its history."""
         if not self.needs_queries or req.spec.decode_only:
             return
@@ -144,7 +144,7 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ folding
 
-    def fold_end(self, req: Req, prefilling: bool = False, committed: int | None = None) -> int:
+    def fold_end(self, req: CacheReq, prefilling: bool = False, committed: int | None = None) -> int:
         """Pages [0, end) that should be folded now, or once committed tokens are (see the module
         docstring's scopes)."""
         ps, c = self.page_size, len(req.comp_indices)
@@ -159,7 +159,7 @@ class TwoTierKV:
             return c
         return max(c, (committed - self.recent_window) // ps)
 
-    def fold(self, req: Req, prefilling: bool = False) -> bool:
+    def fold(self, req: CacheReq, prefilling: bool = False) -> bool:
         """Compresses the whole committed pages past comp_indices that are due (fold_end);
         prefilling: req's prefill is not complete yet. False if the pool is full."""
         ps = self.page_size
@@ -203,7 +203,7 @@ class TwoTierKV:
         self.fold_seconds += time.perf_counter() - t0
         return True
 
-    def fold_segments(self, req: Req, c: int, p: int, ids: torch.Tensor) -> None:
+    def fold_segments(self, req: CacheReq, c: int, p: int, ids: torch.Tensor) -> None:
         """Pages [c, p) of req as segments of up to segment_pages pages, each ranked whole with the
         queries kept since its start; then q_hist keeps those of positions >= p * ps."""
         ps, committed = self.page_size, req.kv_committed_len
@@ -234,7 +234,7 @@ class TwoTierKV:
         """Measured seconds to fold one page (every layer); None before any fold."""
         return self.fold_seconds / self.fold_pages if self.fold_pages else None
 
-    def fold_reconstructed(self, req: Req, c: int, p: int, slots, ids, positions) -> None:
+    def fold_reconstructed(self, req: CacheReq, c: int, p: int, slots, ids, positions) -> None:
         """Pages [c, p) of req through their reconstruction passes; pages whose passes have the
         same shape (every page after the first) are compressed together."""
         if self.reconstruction is None:
@@ -292,13 +292,13 @@ class TwoTierKV:
             page_size=match.page_size,
         )
 
-    def can_admit(self, req: Req, match, n: int, batch: list, running: list[Req],
-                  chunked_req: Req | None) -> bool:
+    def can_admit(self, req: CacheReq, match, n: int, batch: list, running: list[CacheReq],
+                  chunked_req: CacheReq | None) -> bool:
         """Whether the compressed tier can take req's prompt pages, on top of the pages the
         batch and the chunked prefill still need and a page per running request."""
         ps = self.page_size
 
-        def pages_left(r: Req, have: int) -> int:
+        def pages_left(r: CacheReq, have: int) -> int:
             return 0 if r.spec.decode_only else max(0, r.prefill_target_len() // ps - have)
 
         need = pages_left(req, len(match.comp_indices))
@@ -311,7 +311,7 @@ class TwoTierKV:
         free = self.pool.available_chunks() + self.tree_cache.comp_evictable_chunks() - len(match.comp_indices)
         return need <= free
 
-    def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
+    def reserve_fold_chunks(self, running: list[CacheReq], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
         need = sum(max(0, self.fold_end(r, committed=r.kv_committed_len + new_tokens(r)) - len(r.comp_indices))
                    for r in running if not r.spec.decode_only)
@@ -322,7 +322,7 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ drafting context
 
-    def draft_context(self, reqs: list[Req], draft_pool=None, draft_slots=None, new_kv: str = "draft"):
+    def draft_context(self, reqs: list[CacheReq], draft_pool=None, draft_slots=None, new_kv: str = "draft"):
         from sglang_vericache.model_executor.forward_batch import DraftContext
 
         ps = self.page_size
