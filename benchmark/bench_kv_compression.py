@@ -11,7 +11,7 @@ lossy against full. Quantizers imply their own ratio, so they run once; DROP+QUA
 a dropper (at each ratio) and a quantizer. A second table gives what compression itself cost in
 each lossy run (time in compress_pages, every layer of every folded page), the prefill's forwards,
 and apart from them kvzip's reconstruction passes (a forward per folded page, see
-model_executor/reconstruction_pass.py; kvzip_proxy scores without one, kvzap with its surrogate).
+compress/kvzip_reconstruction.py; kvzip_proxy scores without one, kvzap with its surrogate).
 --merge keeps the stored rows this run does not redo (same prompts, tokens and page).
 """
 

@@ -1,4 +1,4 @@
-"""KVzip's reconstruction pass (model_executor/reconstruction_pass.py): it is the teacher-forced
+"""KVzip's reconstruction pass (compress/kvzip_reconstruction.py): it is the teacher-forced
 re-reading of a page after its repeat prompt and leaves nothing behind; the chunks it scores are
 a function of the page's prefix (alone or batched, any chunked prefill); and VeriCache over
 kvzip's tier gives deterministic full mode's output bitwise in bfloat16, greedy and seeded,
@@ -14,7 +14,7 @@ import torch
 from sglang_vericache.compress.kvzip import ReconstructionPass, reconstruction_scores
 from sglang_vericache.compress.token_drop import deal, top_k_indices
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.model_executor.reconstruction_pass import NO_TOKENIZER_FIRST, NO_TOKENIZER_NEXT
+from sglang_vericache.compress.kvzip_reconstruction import NO_TOKENIZER_FIRST, NO_TOKENIZER_NEXT
 from sglang_vericache.server_args import ServerArgs
 from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import sglang_vericache
-from sglang_vericache.distributed import request_broadcast
+from sglang_vericache.managers import request_broadcast
 from sglang_vericache.layers.vocab_parallel_embedding import vocab_range
 from sglang_vericache.managers.io_struct import AbortReq, FlushCacheReq, GetStatsReq
 from sglang_vericache.managers.watchdog import TP_EXIT_CODE

@@ -8,7 +8,7 @@ hidden states to the log score, report both on held-out text, and save the bette
 
 Data: the corpus manifest's train files (recipes/code_model; the stdlib of this machine's Python),
 the first --tokens-per-file tokens of each file that long, prefilled in float32; per page of --page-size tokens,
-kvzip's reconstruction pass (model_executor/reconstruction_pass.py) and its scores
+kvzip's reconstruction pass (compress/kvzip_reconstruction.py) and its scores
 (kvzip.reconstruction_scores) per layer and KV head are the targets (log, sinks excluded), and the
 hidden states entering each layer's attention are the inputs. Held-out: the manifest's held-out
 files (the benchmarks' prompts come from them). Deterministic (--seed, 2 threads). CI never runs it.
@@ -30,7 +30,7 @@ import torch
 from sglang_vericache.compress.kvzap import SURROGATE_FILE, KVzapSurrogate
 from sglang_vericache.compress.kvzip import reconstruction_scores
 from sglang_vericache.model_executor.model_runner import ModelRunner
-from sglang_vericache.model_executor.reconstruction_pass import ReconstructionRunner, repeat_prompts
+from sglang_vericache.compress.kvzip_reconstruction import ReconstructionRunner, repeat_prompts
 from sglang_vericache.server_args import ServerArgs, default_model_path
 from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
 

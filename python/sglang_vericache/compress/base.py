@@ -19,6 +19,7 @@ Chunk-locality is what lets a shared prefix's compressed KV be reused as is.
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -27,6 +28,16 @@ import torch
 
 LayoutKind = Literal["token_drop", "quantized"]
 
+
+# KVzap's surrogate, in the checkpoint's folder (compress/kvzap.py); CompressorConfig points at it.
+SURROGATE_FILE = os.path.join("kvzap", "surrogate.safetensors")
+
+
+def surrogate_path(model_path: str | None) -> str | None:
+    return None if model_path is None else os.path.join(model_path, SURROGATE_FILE)
+
+
+KVZIP_CHUNK_TOKENS = 2048  # kvzip over a segment: context tokens per replay pass (kvpress's chunk_size)
 
 @dataclass
 class CompressorConfig:
@@ -97,8 +108,6 @@ class CompressorConfig:
             # docs/DESIGN.md, "Gemma 3: sliding and global layers")
             options["rope_parameters"] = get_rope_parameters(m.hf_config, layer_type="full_attention")
         if getattr(m, "model_path", None) and "kvzap_path" not in options:
-            from sglang_vericache.compress.kvzap import surrogate_path
-
             options["kvzap_path"] = surrogate_path(m.model_path)
         return CompressorConfig(
             name,
@@ -186,7 +195,7 @@ def exact_bytes_per_token(config: CompressorConfig) -> int:
 class KVCompressor(ABC):
     name: str = ""
     # True: compress() takes, as q, the model runner's kvzip.ReconstructionPass of the chunks (a
-    # forward of its own over the exact KV, model_executor/reconstruction_pass.py), not prefill queries.
+    # forward of its own over the exact KV, compress/kvzip_reconstruction.py), not prefill queries.
     needs_reconstruction: bool = False
 
     def __init__(self, config: CompressorConfig):

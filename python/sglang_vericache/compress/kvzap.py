@@ -20,10 +20,10 @@ import os
 
 import torch
 
+from sglang_vericache.compress.base import SURROGATE_FILE
 from sglang_vericache.compress.token_drop import TokenDropCompressor, top_k_indices
 
 # Under a folder of its own: the model loader reads every *.safetensors at the checkpoint's top level.
-SURROGATE_FILE = os.path.join("kvzap", "surrogate.safetensors")
 TRAIN_HINT = "train one with `python recipes/kvzap/train.py --model-path {path}` (minutes on a CPU)"
 
 
@@ -62,10 +62,6 @@ class KVzapSurrogate:
             return x @ t["w"][layer_id].to(x.device) + t["b"][layer_id].to(x.device)
         mid = torch.nn.functional.gelu(x @ t["w1"][layer_id].to(x.device) + t["b1"][layer_id].to(x.device))
         return mid @ t["w2"][layer_id].to(x.device) + t["b2"][layer_id].to(x.device)
-
-
-def surrogate_path(model_path: str | None) -> str | None:
-    return None if model_path is None else os.path.join(model_path, SURROGATE_FILE)
 
 
 class KVzapCompressor(TokenDropCompressor):

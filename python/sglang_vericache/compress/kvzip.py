@@ -8,7 +8,7 @@ over [the sink keys | the chunk's keys | the pass's own keys (causal)]; `reconst
 is exactly that score, given the pass's queries and keys.
 
 `kvzip` (KVzipCompressor) takes the pass the model runner computed (`needs_reconstruction`; see
-model_executor/reconstruction_pass.py): for a chunk ending at position e, the forward of
+compress/kvzip_reconstruction.py): for a chunk ending at position e, the forward of
 [repeat prompt | the chunk's ids] at positions e, e+1, ..., attending to the exact KV [0, e) and
 causally to itself, every layer's post-RoPE q [R, H_q, D] and k [R, H_kv, D] of those R rows,
 with the exact keys of positions [0, num_sink_tokens) as the sinks. Over a whole segment

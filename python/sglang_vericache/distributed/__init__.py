@@ -1,2 +1,2 @@
-"""Tensor parallelism on torch.distributed: the rank's group (parallel_state) and the scheduler's
-typed broadcast of new requests from rank 0 (request_broadcast)."""
+"""Tensor parallelism on torch.distributed: the rank's group (parallel_state). The scheduler's typed
+broadcast of new requests from rank 0 is managers/request_broadcast.py."""

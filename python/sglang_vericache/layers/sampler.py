@@ -24,7 +24,9 @@ choose their split from the tensor's shape, so a row's bits could follow the bat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -213,3 +215,24 @@ class RankZeroSampler:
         out = self.inner(logits, info, return_logprob, top_logprobs_num)
         out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())
         return out
+
+
+class WantsLogprobs(Protocol):
+    """What sample_with_logprobs reads of a request (the scheduler's Req)."""
+
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+def sample_with_logprobs(sampler: Sampler | RankZeroSampler, logits: torch.Tensor, info: SamplingBatchInfo,
+                         reqs: Sequence[WantsLogprobs]):
+    """The sampler's choice per row -> (token ids, logprobs, (top values, top ids)): logprobs when a
+    request of reqs wants them, top logprobs as many as the most any of them wants."""
+    want_lp = any(r.return_logprob for r in reqs)
+    top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+    out = sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
+    tops = None
+    if top_n:
+        vals, idx = out.top_logprobs
+        tops = (vals.tolist(), idx.tolist())
+    return out.next_token_ids.tolist(), out.logprobs.tolist() if want_lp else None, tops

@@ -20,8 +20,8 @@ from collections import deque
 import zmq
 
 from sglang_vericache.constrained.grammar_backend import grammar_key
-from sglang_vericache.distributed import request_broadcast
 from sglang_vericache.distributed.parallel_state import get_tp_group
+from sglang_vericache.managers import request_broadcast
 from sglang_vericache.managers.batch_log import BatchLog
 from sglang_vericache.managers.io_struct import (
     AbortReq,
@@ -74,6 +74,13 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             from sglang_vericache.mem_cache.two_tier import TwoTierKV
 
             self.two_tier = TwoTierKV(server_args, self.model_runner)
+            comp = self.two_tier.compressor
+            if comp.needs_reconstruction:  # kvzip: the model's pass of every folded page, handed to the cache
+                from sglang_vericache.compress.kvzip_reconstruction import reconstruction_for
+
+                self.two_tier.reconstruction = reconstruction_for(server_args, self.model_runner, self.page_size,
+                                                                  comp.config.num_sink_tokens,
+                                                                  self.two_tier.segment_scope)
             if server_args.disagg_prefill == "verifier":  # remote prefix caching: compressed pages alone
                 from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache as TreeCls
             else:

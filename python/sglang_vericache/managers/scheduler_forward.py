@@ -1,6 +1,6 @@
 """SchedulerForwardMixin: the scheduler's forward passes: a prefill (EXTEND) batch and a decode step
 in each mode (full, lossy, naive offload; VeriCache modes hand the step to their round's driver),
-and make_forward_batch, the ForwardBatch they are all built into.
+built into ForwardBatches by model_executor/forward_batch.py's make_forward_batch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
@@ -152,30 +152,3 @@ class SchedulerForwardMixin:
         self.timeline.append((t0, time.perf_counter(), tag))
         return logits
 
-
-def make_forward_batch(mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
-    """batch: (req, new tokens) per request; prefix_lens: each request's context before its new
-    tokens (default: a draft row's position, else the request's committed KV)."""
-    if prefix_lens is not None:
-        prefix = prefix_lens
-    elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
-        prefix = list(positions)
-    else:
-        prefix = [r.kv_committed_len for r, _ in batch]
-    ext = [n for _, n in batch]
-    seq = [p + n for p, n in zip(prefix, ext)]
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(batch),
-        input_ids=t(input_ids),
-        positions=t(positions),
-        req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
-        seq_lens=t(seq),
-        extend_prefix_lens=t(prefix),
-        extend_seq_lens=t(ext),
-        out_cache_loc=out_loc,
-        seq_lens_cpu=seq,
-        extend_prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=ext,
-    )

@@ -12,23 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.constrained.grammar import vocab_mask
+from sglang_vericache.layers.sampler import sample_with_logprobs
 from sglang_vericache.managers.io_struct import BatchTokenIDOut
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-
-
-def sample_with_logprobs(sampler, logits: torch.Tensor, info, reqs: list[Req]):
-    """The sampler's choice per row -> (token ids, logprobs, (top values, top ids)): logprobs when a
-    request of reqs wants them, top logprobs as many as the most any of them wants."""
-    want_lp = any(r.return_logprob for r in reqs)
-    top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-    out = sampler(logits, info, return_logprob=want_lp, top_logprobs_num=top_n)
-    tops = None
-    if top_n:
-        vals, idx = out.top_logprobs
-        tops = (vals.tolist(), idx.tolist())
-    return out.next_token_ids.tolist(), out.logprobs.tolist() if want_lp else None, tops
 
 
 class SchedulerOutputProcessorMixin:

@@ -19,7 +19,7 @@ from sglang_vericache.model_executor.forward_batch import StagedVerify
 from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
-    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.mem_cache.cache_req import CacheReq
     from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang_vericache.server_args import ServerArgs
 
@@ -38,7 +38,7 @@ class Link:
     def bytes_for(self, n_tokens: int) -> int:
         return self.stager.transfer_bytes(n_tokens)
 
-    def staged(self, group: list[Req]) -> StagedVerify:
+    def staged(self, group: list[CacheReq]) -> StagedVerify:
         """Starts streaming the committed exact KV of each request in group (positions [0, n-1))."""
         r2t = self.req_to_token_pool.req_to_token
         lens = [r.kv_committed_len for r in group]
@@ -48,7 +48,7 @@ class Link:
             offsets.append(offsets[-1] + n)
         return StagedVerify(kv=self.stager.begin(slots), offsets=offsets, prefix_lens=lens)
 
-    def split(self, group: list[Req]) -> list[list[Req]]:
+    def split(self, group: list[CacheReq]) -> list[list[CacheReq]]:
         """Consecutive sub-groups whose committed prefixes each fit the staging area."""
         return split_by_budget(group, lambda r: r.kv_committed_len, self.max_tokens)
 

@@ -44,7 +44,7 @@ from sglang_vericache.mem_cache.storage.page_store import (
 from sglang_vericache.mem_cache.storage.serialize import compressed_page_spec, exact_page_spec
 
 if TYPE_CHECKING:
-    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.mem_cache.cache_req import CacheReq
     from sglang_vericache.mem_cache.two_tier import TwoTierKV
     from sglang_vericache.server_args import ServerArgs
 
@@ -127,7 +127,7 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ write-through
 
-    def write_through(self, req: Req) -> None:
+    def write_through(self, req: CacheReq) -> None:
         """Stores the whole pages of req's committed KV that the store lacks (each tier)."""
         P = self.page_size
         n_pages = req.kv_committed_len // P
@@ -155,7 +155,7 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup_into(self, req: Req, room: int) -> int:
+    def lookup_into(self, req: CacheReq, room: int) -> int:
         """Loads stored pages past the tree's match of req's prefix into the pools and the tree;
         -> exact tokens loaded. room: pool tokens admission could still give req (free + evictable
         - reserves); the load leaves a page of it for the prompt's tail."""

@@ -5,7 +5,8 @@ Per request (two-tier modes), on top of the exact-tier invariant in Req:
   q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
                 (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
                 the attention inputs [n, hidden] instead).
-kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner).
+kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner,
+compress/kvzip_reconstruction.py, which the scheduler builds and hands to TwoTierKV.reconstruction).
 
 Two scopes (`segment_scope`, --kv-compress-scope):
   page     a page is folded (compressed) alone as soon as its exact KV is committed, so the exact
@@ -35,7 +36,7 @@ from sglang_vericache.mem_cache.compressed_pool import CompressedKVPool, compres
 from sglang_vericache.server_args import parse_bytes
 
 if TYPE_CHECKING:
-    from sglang_vericache.managers.schedule_batch import Req
+    from sglang_vericache.mem_cache.cache_req import CacheReq
     from sglang_vericache.model_executor.model_runner import ModelRunner
     from sglang_vericache.server_args import ServerArgs
 
@@ -88,19 +89,9 @@ class TwoTierKV:
             if hidden != mc.hidden_size:
                 raise ValueError(f"kvzap: the surrogate reads hidden states of {hidden}, the model's are "
                                  f"{mc.hidden_size}")
-        self.reconstruction = None  # kvzip: the model's reconstruction pass of every folded page
-        if self.compressor.needs_reconstruction:
-            from sglang_vericache.model_executor.reconstruction_pass import (
-                KVZIP_CHUNK_TOKENS, ReconstructionRunner, repeat_prompts)
-
-            tokenizer = None
-            if not args.skip_tokenizer_init:
-                from sglang_vericache.utils.hf_tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(args)
-            chunk = KVZIP_CHUNK_TOKENS if self.segment_scope else None  # segment: kvpress's replay chunks
-            self.reconstruction = ReconstructionRunner(model_runner, self.page_size, repeat_prompts(tokenizer),
-                                                       cfg.num_sink_tokens, chunk_tokens=chunk)
+        # kvzip: the model's reconstruction pass of every folded page, handed in by whoever builds the
+        # cache (the scheduler: compress/kvzip_reconstruction.py); the cache never runs the model itself.
+        self.reconstruction = None
         logger.info(
             "compressed tier: %s, %s scope, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
             args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
@@ -142,7 +133,7 @@ class TwoTierKV:
         folds (a decode-only request has no compressed tier; record_queries keeps none of its)."""
         return self.needs_queries and any(not r.spec.decode_only for r in reqs)
 
-    def record_queries(self, req: Req, captured: dict, rows: slice, n_keep: int | None = None) -> None:
+    def record_queries(self, req: CacheReq, captured: dict, rows: slice, n_keep: int | None = None) -> None:
         """Appends this pass's queries of req (rows of the flattened batch) to its history."""
         if not self.needs_queries or req.spec.decode_only:
             return
@@ -153,7 +144,7 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ folding
 
-    def fold_end(self, req: Req, prefilling: bool = False, committed: int | None = None) -> int:
+    def fold_end(self, req: CacheReq, prefilling: bool = False, committed: int | None = None) -> int:
         """Pages [0, end) that should be folded now, or once committed tokens are (see the module
         docstring's scopes)."""
         ps, c = self.page_size, len(req.comp_indices)
@@ -168,7 +159,7 @@ class TwoTierKV:
             return c
         return max(c, (committed - self.recent_window) // ps)
 
-    def fold(self, req: Req, prefilling: bool = False) -> bool:
+    def fold(self, req: CacheReq, prefilling: bool = False) -> bool:
         """Compresses the whole committed pages past comp_indices that are due (fold_end);
         prefilling: req's prefill is not complete yet. False if the pool is full."""
         ps = self.page_size
@@ -202,7 +193,7 @@ class TwoTierKV:
             for layer in list(req.q_hist):
                 req.q_hist[layer] = req.q_hist[layer][(p - c) * ps :]
         positions = torch.arange(c * ps, p * ps, dtype=torch.int64)
-        if self.reconstruction is not None:
+        if self.compressor.needs_reconstruction:
             self.fold_reconstructed(req, c, p, slots, ids, positions)
         else:
             compress_pages(self.compressor, self.kv_pool, self.pool, slots, ids,
@@ -212,7 +203,7 @@ class TwoTierKV:
         self.fold_seconds += time.perf_counter() - t0
         return True
 
-    def fold_segments(self, req: Req, c: int, p: int, ids: torch.Tensor) -> None:
+    def fold_segments(self, req: CacheReq, c: int, p: int, ids: torch.Tensor) -> None:
         """Pages [c, p) of req as segments of up to segment_pages pages, each ranked whole with the
         queries kept since its start; then q_hist keeps those of positions >= p * ps."""
         ps, committed = self.page_size, req.kv_committed_len
@@ -258,9 +249,12 @@ class TwoTierKV:
         """Measured seconds to fold one page (every layer); None before any fold."""
         return self.fold_seconds / self.fold_pages if self.fold_pages else None
 
-    def fold_reconstructed(self, req: Req, c: int, p: int, slots, ids, positions) -> None:
+    def fold_reconstructed(self, req: CacheReq, c: int, p: int, slots, ids, positions) -> None:
         """Pages [c, p) of req through their reconstruction passes; pages whose passes have the
         same shape (every page after the first) are compressed together."""
+        if self.reconstruction is None:
+            raise RuntimeError(f"{self.compressor.name} folds pages through a reconstruction pass, and none was "
+                               "handed to this TwoTierKV (compress/kvzip_reconstruction.py: reconstruction_for)")
         ps = self.page_size
         passes = self.reconstruction.passes(req.req_pool_idx, req.fill_ids, [i * ps for i in range(c, p)])
         groups: dict[tuple, list[int]] = {}
@@ -313,13 +307,13 @@ class TwoTierKV:
             page_size=match.page_size,
         )
 
-    def can_admit(self, req: Req, match, n: int, batch: list, running: list[Req],
-                  chunked_req: Req | None) -> bool:
+    def can_admit(self, req: CacheReq, match, n: int, batch: list, running: list[CacheReq],
+                  chunked_req: CacheReq | None) -> bool:
         """Whether the compressed tier can take req's prompt pages, on top of the pages the
         batch and the chunked prefill still need and a page per running request."""
         ps = self.page_size
 
-        def pages_left(r: Req, have: int) -> int:
+        def pages_left(r: CacheReq, have: int) -> int:
             return 0 if r.spec.decode_only else max(0, r.prefill_target_len() // ps - have)
 
         need = pages_left(req, len(match.comp_indices))
@@ -332,7 +326,7 @@ class TwoTierKV:
         free = self.pool.available_chunks() + self.tree_cache.comp_evictable_chunks() - len(match.comp_indices)
         return need <= free
 
-    def reserve_fold_chunks(self, running: list[Req], new_tokens) -> bool:
+    def reserve_fold_chunks(self, running: list[CacheReq], new_tokens) -> bool:
         """Makes room for the chunks the running requests fold if each commits new_tokens(r)."""
         need = sum(max(0, self.fold_end(r, committed=r.kv_committed_len + new_tokens(r)) - len(r.comp_indices))
                    for r in running if not r.spec.decode_only)
@@ -343,7 +337,7 @@ class TwoTierKV:
 
     # ------------------------------------------------------------------ drafting context
 
-    def draft_context(self, reqs: list[Req], draft_pool=None, draft_slots=None, new_kv: str = "draft"):
+    def draft_context(self, reqs: list[CacheReq], draft_pool=None, draft_slots=None, new_kv: str = "draft"):
         from sglang_vericache.model_executor.forward_batch import DraftContext
 
         ps = self.page_size

@@ -204,3 +204,33 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.cumsum(self.extend_seq_lens, 0) - 1
+
+
+def make_forward_batch(mode, batch, input_ids, positions, out_loc, prefix_lens=None) -> ForwardBatch:
+    """The ForwardBatch of a scheduler batch (SGLang's ForwardBatch.init_new). batch: (req, new
+    tokens) per request, req read for req_pool_idx and kv_committed_len (the scheduler's Req);
+    prefix_lens: each request's context before its new tokens (default: a draft row's position,
+    else the request's committed KV)."""
+    if prefix_lens is not None:
+        prefix = prefix_lens
+    elif mode == ForwardMode.DRAFT_DECODE:  # logical lengths; the backend reads draft_ctx
+        prefix = list(positions)
+    else:
+        prefix = [r.kv_committed_len for r, _ in batch]
+    ext = [n for _, n in batch]
+    seq = [p + n for p, n in zip(prefix, ext)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(batch),
+        input_ids=t(input_ids),
+        positions=t(positions),
+        req_pool_indices=t([r.req_pool_idx for r, _ in batch]),
+        seq_lens=t(seq),
+        extend_prefix_lens=t(prefix),
+        extend_seq_lens=t(ext),
+        out_cache_loc=out_loc,
+        seq_lens_cpu=seq,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=ext,
+    )

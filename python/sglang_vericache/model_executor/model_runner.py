@@ -12,11 +12,11 @@ from sglang_vericache.mem_cache.device_page_cache import DevicePageCache, pages_
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from sglang_vericache.mem_cache.transfer_engine import TransferEngine
+from sglang_vericache.compress.base import KVZIP_CHUNK_TOKENS
 from sglang_vericache.compressor_names import split_kv_compressor
 from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_vericache.model_executor.forward_batch import ForwardBatch
-from sglang_vericache.model_executor.reconstruction_pass import KVZIP_CHUNK_TOKENS
 from sglang_vericache.model_loader.loader import load_model
 from sglang_vericache.server_args import ServerArgs, parse_bytes
 

@@ -11,6 +11,23 @@ VERICACHE_SCHEDULES = ("adaptive", "auto", "lockstep", "staggered")
 AUTO_MAX_DRAFT_TOKENS = 32  # --speculative-num-draft-tokens auto: the longest round it may choose
 
 
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """N-gram drafting's settings (speculative/ngram.py): --speculative-ngram-min-match-window-size /
+    -max-match-window-size / -branch-length."""
+
+    min_window: int = 1
+    max_window: int = 12
+    branch_length: int = 8  # the most proposal tokens one draft forward checks per request
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_window <= self.max_window <= 64:
+            raise ValueError("--speculative-ngram-min-match-window-size / -max-match-window-size must "
+                             f"satisfy 1 <= min <= max <= 64, got {self.min_window} / {self.max_window}")
+        if not 1 <= self.branch_length <= 64:
+            raise ValueError(f"--speculative-ngram-branch-length must be 1..64, got {self.branch_length}")
+
+
 def parse_draft_tokens(value: str | int) -> int | None:
     """--speculative-num-draft-tokens, parsed (the one place it is): an integer 1..64, or None for 'auto'."""
     if value == "auto":
@@ -127,7 +144,5 @@ class SpeculativeArgs(ArgsGroup):
         """The n-gram proposal settings (None without --speculative-ngram)."""
         if not self.speculative_ngram:
             return None
-        from sglang_vericache.speculative.ngram import NgramConfig
-
         return NgramConfig(self.speculative_ngram_min_match_window_size,
                            self.speculative_ngram_max_match_window_size, self.speculative_ngram_branch_length)

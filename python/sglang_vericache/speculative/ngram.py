@@ -29,24 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sglang_vericache.server_args_groups.speculative import NgramConfig  # noqa: F401 (the flags' settings, checked there)
+
 if TYPE_CHECKING:
     from sglang_vericache.managers.schedule_batch import Req
-
-
-@dataclass(frozen=True, slots=True)
-class NgramConfig:
-    """--speculative-ngram-min-match-window-size / -max-match-window-size / -branch-length."""
-
-    min_window: int = 1
-    max_window: int = 12
-    branch_length: int = 8  # the most proposal tokens one draft forward checks per request
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_window <= self.max_window <= 64:
-            raise ValueError("--speculative-ngram-min-match-window-size / -max-match-window-size must "
-                             f"satisfy 1 <= min <= max <= 64, got {self.min_window} / {self.max_window}")
-        if not 1 <= self.branch_length <= 64:
-            raise ValueError(f"--speculative-ngram-branch-length must be 1..64, got {self.branch_length}")
 
 
 @dataclass(slots=True)

@@ -42,10 +42,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.constrained.grammar import vocab_mask
-from sglang_vericache.managers.scheduler_forward import make_forward_batch
-from sglang_vericache.managers.scheduler_output_processor import sample_with_logprobs
+from sglang_vericache.layers.sampler import sample_with_logprobs
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
-from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
 from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
 from sglang_vericache.speculative.ngram import NgramConfig, chain_masks, chain_proposals

@@ -1,5 +1,6 @@
 """KVzip's context-reconstruction pass (compress/kvzip.py), run by the model for the pages a
-request folds.
+request folds. The scheduler builds it (reconstruction_for) and hands it to the two-tier cache,
+which calls it for every page it folds: the cache never starts a model forward of its own.
 
 For the page [s, e) of a request, one EXTEND forward of R rows, [repeat prompt | the page's ids],
 at positions e .. e+R-1: the rows attend to the request's exact KV [0, e) and causally to each
@@ -26,12 +27,12 @@ import time
 
 import torch
 
+from sglang_vericache.compress.base import KVZIP_CHUNK_TOKENS
 from sglang_vericache.compress.kvzip import REPEAT_FIRST, REPEAT_NEXT, REPEAT_TAIL_TOKENS, ReconstructionPass
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
-KVZIP_CHUNK_TOKENS = 2048  # context tokens per replay pass over a segment (kvpress's chunk_size)
 NO_TOKENIZER_FIRST = list(range(1, 11))  # stand-ins for the prompts without a tokenizer
 NO_TOKENIZER_NEXT = list(range(1, 16))
 
@@ -138,3 +139,16 @@ class ReconstructionRunner:
         self.tokens += r
         self.forwards += 1
         return out
+
+
+def reconstruction_for(server_args, model_runner, page_size: int, num_sink_tokens: int,
+                       segment_scope: bool) -> ReconstructionRunner:
+    """The pass of a kvzip two-tier cache: the repeat prompts in --tokenizer-path's tokenizer (fixed
+    ids with --skip-tokenizer-init); over segments, kvpress's replay chunks of KVZIP_CHUNK_TOKENS."""
+    tokenizer = None
+    if not server_args.skip_tokenizer_init:
+        from sglang_vericache.utils.hf_tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(server_args)
+    return ReconstructionRunner(model_runner, page_size, repeat_prompts(tokenizer), num_sink_tokens,
+                                chunk_tokens=KVZIP_CHUNK_TOKENS if segment_scope else None)
