@@ -6,7 +6,7 @@ under every VeriCache schedule, tokens and logprobs, a mixed batch of long and s
 
 Prompts: held-out stdlib source (the bundled model's corpus manifest) up to a function's docstring,
 cut to the last N tokens for each --prompt-lengths N (prompts at least that long are taken, then cut),
-all in one batch, greedy with logprobs. Each compressor x schedule is a fresh in-process scheduler;
+all in one batch, greedy and seeded, with logprobs. Each compressor x schedule x sampling is a fresh in-process scheduler;
 full mode runs once, with --enable-deterministic-inference, as the reference. A row that differs
 names the prompt and the first token index where it does.
 
@@ -31,6 +31,8 @@ from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
 SCHEDULES = ("adaptive", "lockstep", "staggered")
+# greedy, and seeded sampling (each request its own seed): the model card's knobs of the default model
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.7, "top_p": 0.9, "top_k": 50}}
 
 
 def prompts_of(tok, lengths: list[int]) -> list[list[int]]:
@@ -44,13 +46,13 @@ def prompts_of(tok, lengths: list[int]) -> list[list[int]]:
     return out
 
 
-def outputs(server: dict, prompts: list[list[int]], new: int) -> tuple[list[tuple], dict, float]:
+def outputs(server: dict, prompts: list[list[int]], new: int, sampling: str) -> tuple[list[tuple], dict, float]:
     """(tokens, logprobs) per prompt, the scheduler's VeriCache counters, seconds."""
     total = sum(len(p) + new for p in prompts) + 64 * len(prompts)
     sched = Scheduler(ServerArgs(skip_tokenizer_init=True, max_total_tokens=total,
                                  max_running_requests=len(prompts), **server))
-    reqs = [make_request(f"t{i}", ids, return_logprob=True, max_new_tokens=new, temperature=0.0, ignore_eos=True)
-            for i, ids in enumerate(prompts)]
+    reqs = [make_request(f"t{i}", ids, return_logprob=True, max_new_tokens=new, ignore_eos=True, seed=1000 + i,
+                         **SAMPLINGS[sampling]) for i, ids in enumerate(prompts)]
     t0 = time.perf_counter()
     res = run_to_completion(sched, reqs)
     seconds = time.perf_counter() - t0
@@ -77,11 +79,14 @@ def main() -> None:
                    help="Model and KV dtype (default: bfloat16).")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[8000, 2000, 600, 150],
                    help="Prompt lengths in tokens, one prompt each, all in one batch (default: 8000 2000 600 150).")
-    p.add_argument("--new-tokens", type=int, default=12, help="Greedy output tokens per prompt (default: 12).")
+    p.add_argument("--new-tokens", type=int, default=12, help="Output tokens per prompt (default: 12).")
     p.add_argument("--compressors", nargs="+", default=list(COMPRESSOR_NAMES),
                    help="Compressors (default: every registered one).")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="VeriCache schedules (default: all three).")
+    p.add_argument("--samplings", nargs="+", default=list(SAMPLINGS), choices=SAMPLINGS,
+                   help="greedy, and seeded (temperature 0.7, top_p 0.9, top_k 50, a seed per request) "
+                        "(default: both).")
     p.add_argument("--ratio", type=float, default=4.0, help="Ratio of the token-dropping compressors (default: 4).")
     p.add_argument("--draft-tokens", default="8", help="Draft tokens per round X (default: 8).")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size (default: 32).")
@@ -93,19 +98,21 @@ def main() -> None:
     prompts = prompts_of(tok, a.prompt_lengths)
     base = {"model_path": a.model_path, "dtype": a.dtype, "page_size": a.page_size,
             "enable_deterministic_inference": True}
-    ref, _, ref_s = outputs(base, prompts, a.new_tokens)
+    refs = {s: outputs(base, prompts, a.new_tokens, s) for s in a.samplings}
     report = {"machine": machine(), "command": shlex.join(["python", *sys.argv]), "args": vars(a),
-              "prompt_tokens": [len(x) for x in prompts], "full_seconds": ref_s, "rows": []}
-    configs = [(c, s) for c in a.compressors for s in a.schedules]
-    for comp, schedule in tqdm(configs, desc="vericache runs"):
+              "prompt_tokens": [len(x) for x in prompts],
+              "full_seconds": sum(seconds for _, _, seconds in refs.values()), "rows": []}
+    configs = [(c, s, m) for c in a.compressors for s in a.schedules for m in a.samplings]
+    for comp, schedule, sampling in tqdm(configs, desc="vericache runs"):
         server = {**base, "kv_compressor": comp, "kv_compression_ratio": a.ratio,
                   "speculative_algorithm": "VERICACHE", "vericache_schedule": schedule,
                   "speculative_num_draft_tokens": a.draft_tokens, "kv_compress_scope": a.kv_compress_scope}
-        got, counters, seconds = outputs(server, prompts, a.new_tokens)
-        row = {"compressor": comp, "schedule": schedule, **compare(ref, got), **counters, "seconds": seconds}
+        got, counters, seconds = outputs(server, prompts, a.new_tokens, sampling)
+        row = {"compressor": comp, "schedule": schedule, "sampling": sampling, **compare(refs[sampling][0], got),
+               **counters, "seconds": seconds}
         report["rows"].append(row)
         if row["tokens_and_logprobs_equal"] != row["of"]:
-            tqdm.write(f"{comp} {schedule}: DIFFERS {row['token_divergence']} {row['logprob_divergence']}")
+            tqdm.write(f"{comp} {schedule} {sampling}: DIFFERS {row['token_divergence']} {row['logprob_divergence']}")
         write_results(a.out, report, table(report))  # after every run: a cut-short run keeps its rows
 
 
@@ -117,16 +124,17 @@ def table(report: dict) -> str:
         f"# VeriCache == deterministic full mode: {Path(a['model_path']).name}, {a['dtype']}", "",
         f"Machine: {report['machine']}. Command: `{report['command']}`", "",
         f"One batch of {len(report['prompt_tokens'])} held-out code prompts of {report['prompt_tokens']} tokens, "
-        f"greedy, {a['new_tokens']} new tokens each with logprobs; token dropping at {a['ratio']:g}x, X = "
+        f"{' and '.join(a.get('samplings', ['greedy']))} ({SAMPLINGS['seeded']} with a seed per request when "
+        f"seeded), {a['new_tokens']} new tokens each with logprobs; token dropping at {a['ratio']:g}x, X = "
         f"{a['draft_tokens']}, page {a['page_size']}. Reference: full mode with --enable-deterministic-inference "
         f"({report['full_seconds']:.0f} s).", "",
         f"**{exact} of {len(rows)} runs give full mode's tokens and logprobs bitwise for every prompt.**", "",
-        "| compressor | schedule | tokens equal | tokens and logprobs equal | rounds | tokens/round | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| compressor | schedule | sampling | tokens equal | tokens and logprobs equal | rounds | tokens/round | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         tpr = "-" if not r["spec_rounds"] else f"{(r['spec_accepted'] + r['spec_rounds']) / r['spec_rounds']:.2f}"
-        lines.append(f"| {r['compressor']} | {r['schedule']} | {r['tokens_equal']}/{r['of']} | "
+        lines.append(f"| {r['compressor']} | {r['schedule']} | {r.get('sampling', 'greedy')} | {r['tokens_equal']}/{r['of']} | "
                      f"{r['tokens_and_logprobs_equal']}/{r['of']} | {r['spec_rounds']} | {tpr} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
