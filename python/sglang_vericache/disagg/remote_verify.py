@@ -46,6 +46,7 @@ from sglang_vericache.disagg.messages import CloseSession, OpenSession, Pong, Pr
 from sglang_vericache.disagg.verifier_link import VerifierLink
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import ServerArgs, parse_bytes
+from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.speculative.vericache_round import Verdict
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 WAIT_MS = 20  # longest wait for a result when every running request has a run in flight
 
 
-class RemoteVerifyWorker:
+class RemoteVerifyWorker(BaseSpecWorker):
     def __init__(self, args: ServerArgs, round: VeriCacheRound, memory: RequestMemory, running: list[Req],
                  exact_pool, abort: Callable[[Req, str], None], recv_socket=None, prefix_store=None):
         if round.two_tier.needs_queries:
@@ -109,7 +110,7 @@ class RemoteVerifyWorker:
         if grammar_key(req.sampling_params) is not None:
             return ("constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported in the "
                     "dual-instance mode (--disagg-role drafter)", 400)
-        self.poll_verifier()
+        self.poll()
         if self.link.refused is not None:
             return self.link.refused, 503
         if not self.link.up:
@@ -156,7 +157,7 @@ class RemoteVerifyWorker:
 
     # ------------------------------------------------------------------ messages
 
-    def poll_verifier(self) -> None:
+    def poll(self) -> None:
         """Every scheduler step: results, heartbeat, a verifier that went away, sessions to close."""
         for msg in self.link.recv():
             self.on_message(msg)
@@ -170,6 +171,13 @@ class RemoteVerifyWorker:
                 self.link.send(CloseSession(rid, self.link.epoch or 0))
                 self.fail(req, "retracted on the drafter (out of KV memory); the dual-instance mode cannot "
                                "resume a request whose verifier session went ahead of it")
+
+    poll_verifier = poll
+
+    def server_info(self, args: ServerArgs) -> dict:
+        disagg = {"role": "drafter", "verifier_addr": args.verifier_addr, "prefill": args.disagg_prefill,
+                  "bandwidth": args.disagg_bandwidth}
+        return {"disagg": disagg, **super().server_info(args)}
 
     def close_finished(self) -> None:
         for rid, req in list(self.sessions.items()):
@@ -228,7 +236,7 @@ class RemoteVerifyWorker:
 
     # ------------------------------------------------------------------ rounds
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         r = self.round
         self.memory.make_room(lambda req: r.plan(req) + 1)
         reqs = list(self.running)

@@ -37,6 +37,7 @@ from sglang_vericache.managers.output_sink import OutputSink, RecordingSink
 from sglang_vericache.managers.request_memory import RequestMemory
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
+from sglang_vericache.managers.spec_worker_factory import create_spec_worker
 from sglang_vericache.managers.scheduler_forward import SchedulerForwardMixin
 from sglang_vericache.managers.scheduler_info import SchedulerInfoMixin
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
@@ -146,8 +147,9 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                      finished requests through memory;
           round      VeriCacheRound (VeriCache modes and the verifier): plan, draft, verify,
                      accept, commit over memory, output, the forward, the two tiers and the link;
-          spec_worker  the driver that schedules rounds: lock-step, staggered (its bookings go back
-                     through memory.on_leave), or the remote drafter;
+          spec_worker  the one driver of rounds (BaseSpecWorker, chosen by create_spec_worker):
+                     lock-step, staggered, adaptive or the remote drafter (bookings go back through
+                     memory.on_leave -> release);
           prefill_adder  PrefillAdder: admission through memory (a retraction tells it through
                      memory.on_retract), with the adaptive driver's admission_gate;
           remote_prefill  RemotePrefill (--disagg-prefill verifier): admission instead of prefill,
@@ -161,11 +163,13 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                            self.context_len)
         vericache = self.mode == "vericache"
         self.round = self.make_round() if vericache or args.disagg_role == "verifier" else None
-        self.spec_worker = self.make_spec_worker() if vericache else None
-        if vericache and (args.staggered or args.adaptive):
-            self.memory.on_leave = self.spec_worker.cancel
-        # Admission beyond memory (schedule_policy.py): the adaptive controller's say, if any.
-        self.admission_gate = self.spec_worker.admits if vericache and args.adaptive else None
+        # The one driver of VeriCache rounds (spec_worker_factory.py); its bookings go back when a
+        # request leaves, and it may gate admission (the adaptive controller).
+        self.spec_worker = create_spec_worker(args, self) if vericache else None
+        self.admission_gate = None
+        if self.spec_worker is not None:
+            self.memory.on_leave = self.spec_worker.release
+            self.admission_gate = self.spec_worker.admission_gate
         self.prefill_adder = PrefillAdder(args, self.waiting_queue, self.running, self.req_to_token_pool,
                                           self.allocator, self.tree_cache, self.memory, self.metrics,
                                           self.two_tier, self.prefix_store, self.admission_gate)
@@ -178,28 +182,6 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 args, self.waiting_queue, self.running, self.req_to_token_pool, self.allocator,
                 self.model_runner.token_to_kv_pool, self.tree_cache, self.two_tier, self.memory, self.output,
                 self.metrics, self.spec_worker, self.prefix_store, self.recv_socket)
-
-    def make_spec_worker(self):
-        """The driver of VeriCache rounds: the remote drafter, staggered, adaptive or lock-step."""
-        args = self.server_args
-        if args.disagg_role == "drafter":  # dual-instance (disagg/): verification on a remote verifier
-            from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
-
-            return RemoteVerifyWorker(args, self.round, self.memory, self.running,
-                                      self.model_runner.token_to_kv_pool, self.abort, self.recv_socket,
-                                      self.prefix_store)
-        if args.staggered:
-            from sglang_vericache.speculative.stagger import StaggeredVeriCache
-
-            return StaggeredVeriCache(self.round, self.memory, self.running, self.link)
-        if args.adaptive:
-            from sglang_vericache.speculative.adaptive import AdaptiveVeriCache
-
-            return AdaptiveVeriCache(args, self.round, self.memory, self.running, self.link, self.two_tier,
-                                     self.model_runner, self.page_size)
-        from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
-
-        return VeriCacheWorker(self.round, self.memory, self.running, self.link)
 
     def make_round(self):
         from sglang_vericache.speculative.acceptance import DraftLengthPolicy
@@ -296,7 +278,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 f"more than the {self.max_req_len} tokens a request may have",
             )
         req = Req.from_input(r)
-        if self.server_args.disagg_role == "drafter":  # dual-instance: open the verifier's session now
+        if self.spec_worker is not None:  # dual-instance: the verifier's session opens now
             refused = self.spec_worker.open_session(req)
             if refused is not None:
                 return SchedulerError(r.rid, *refused)
@@ -343,8 +325,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> None:
-        if self.server_args.disagg_role == "drafter":  # verifier results, heartbeat, a verifier gone away
-            self.spec_worker.poll_verifier()
+        if self.spec_worker is not None:  # the remote drafter: verifier results, heartbeat
+            self.spec_worker.poll()
         self.drop_aborted()
         if self.remote_prefill is not None:  # prompts prefill on the verifier: admission only, here
             self.remote_prefill.step()

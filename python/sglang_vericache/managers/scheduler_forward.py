@@ -54,7 +54,7 @@ class SchedulerForwardMixin:
             fb.captured_q = {}
         t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
-        if hasattr(self.spec_worker, "observe_prefill"):  # adaptive VeriCache's cost fit
+        if self.spec_worker is not None:  # adaptive VeriCache's cost fit
             self.spec_worker.observe_prefill([(start, n) for _, start, n, *_ in plan], time.perf_counter() - t0)
 
         to_sample = []
@@ -96,7 +96,7 @@ class SchedulerForwardMixin:
 
     def run_decode(self) -> None:
         if self.spec_worker is not None:  # VeriCache: the round's driver makes its own room
-            self.spec_worker.step()
+            self.spec_worker.forward_batch_generation()
             return
         self.memory.make_room(lambda r: 1)
         if self.mode == "lossy":

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from sglang_vericache.mem_cache.placement import ExactPlacement, residency
 from sglang_vericache.server_args import parse_bytes
+from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.speculative.controller import (
     DRAFT_LENGTHS,
     Acceptance,
@@ -63,13 +64,14 @@ PRIOR_BANDWIDTH = {"cpu": 20e9, "cuda": 2e12}
 PRIOR_FLOPS = {"cpu": 1e11, "cuda": 3e14}
 
 
-class AdaptiveVeriCache:
+class AdaptiveVeriCache(BaseSpecWorker):
     def __init__(self, args: ServerArgs, round: VeriCacheRound, memory: RequestMemory, running: list[Req],
                  link: Link | None, two_tier: TwoTierKV, runner: ModelRunner, page_size: int):
         self.round = round
         self.memory = memory
         self.running = running
         self.link = link
+        self.stats = {}
         self.two_tier = two_tier
         self.page_size = page_size
         kv_bytes = runner.token_to_kv_pool.bytes_per_token()
@@ -182,6 +184,10 @@ class AdaptiveVeriCache:
         self._last_summary = summary
 
     # ------------------------------------------------------------------ admission
+
+    @property
+    def admission_gate(self):
+        return self.admits
 
     def admits(self, req: Req, pending: list[Req]) -> bool:
         """Whether to admit req now (after `pending`, admitted in this prefill batch), and how. Two
@@ -319,7 +325,7 @@ class AdaptiveVeriCache:
         self.round.start(req, max(0, min(st.booking.at - self.iteration, x)))
         return True
 
-    def cancel(self, req: Req) -> None:
+    def release(self, req: Req) -> None:
         """req leaves the running set (finished, aborted, retracted): its booking goes back."""
         b, req.spec.booking = req.spec.booking, None
         if b is not None and b.nbytes and self.rings is not None:
@@ -341,7 +347,7 @@ class AdaptiveVeriCache:
 
     # ------------------------------------------------------------------ one iteration
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         start, reqs = time.perf_counter(), list(self.running)
         before = sum(len(q.output_ids) for q in reqs)
         host = self._step()

@@ -8,7 +8,7 @@ bytes (bandwidth x iteration time) and staging rows still have room for its exac
 until then. So the link moves roughly one iteration's worth of exact KV per iteration, overlapped
 with the compute of everyone else's drafting, instead of everyone drafting and then everyone
 waiting on the link (lock-step). A request that leaves before verifying gives its booking back
-(RequestMemory.on_leave -> cancel).
+(RequestMemory.on_leave -> release).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
+from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.speculative.reservations import VerifyReservations
 from sglang_vericache.speculative.round_state import Booking
 
@@ -30,12 +31,13 @@ ITER_TIME_EMA = 0.2
 INITIAL_ITER_TIME_S = 0.02
 
 
-class StaggeredVeriCache:
+class StaggeredVeriCache(BaseSpecWorker):
     def __init__(self, round: VeriCacheRound, memory: RequestMemory, running: list[Req], link: Link):
         self.round = round
         self.memory = memory
         self.running = running
         self.link = link
+        self.stats = {}
         self.iter_time = INITIAL_ITER_TIME_S
         self.rings = VerifyReservations(2 * round.max_draft + 2, self.link_bytes_per_iter(), link.max_tokens)
 
@@ -57,7 +59,7 @@ class StaggeredVeriCache:
         nbytes = self.link.bytes_for(n)
         return Booking(self.rings.reserve(min_offset, nbytes, n), nbytes, n)
 
-    def cancel(self, req: Req) -> None:
+    def release(self, req: Req) -> None:
         b, req.spec.booking = req.spec.booking, None
         if b is not None:
             self.rings.cancel(b.at, b.nbytes, b.tokens)
@@ -67,7 +69,7 @@ class StaggeredVeriCache:
 
     # ------------------------------------------------------------------ one iteration
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         r = self.round
         for req in self.running:
             if req.spec.booking is None:
@@ -78,7 +80,7 @@ class StaggeredVeriCache:
         if verifiers:  # over-budget bookings (past the horizon) wait one more iteration
             verifiers, *late = self.link.split(verifiers)
             for req in (req for group in late for req in group):
-                self.cancel(req)
+                self.release(req)
                 req.spec.booking = self.reserve(req, 1)
         drafting = [req for req in self.running if not self.verifies_now(req) and r.is_drafting(req)]
         if not verifiers and not drafting:

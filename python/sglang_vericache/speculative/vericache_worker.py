@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
+
 if TYPE_CHECKING:
     from sglang_vericache.managers.request_memory import RequestMemory
     from sglang_vericache.managers.schedule_batch import Req
@@ -18,14 +20,15 @@ if TYPE_CHECKING:
     from sglang_vericache.speculative.vericache_round import VeriCacheRound
 
 
-class VeriCacheWorker:
+class VeriCacheWorker(BaseSpecWorker):
     def __init__(self, round: VeriCacheRound, memory: RequestMemory, running: list[Req], link: Link | None):
         self.round = round
         self.memory = memory
         self.running = running
         self.link = link
+        self.stats = {}
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         r = self.round
         self.memory.make_room(lambda req: r.plan(req) + 1)
         reqs = list(self.running)
