@@ -47,7 +47,7 @@ from sglang_vericache.managers.scheduler_output_processor import sample_with_log
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
-from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
+from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length, draft_len
 from sglang_vericache.speculative.ngram import NgramConfig, chain_masks, chain_proposals
 
 if TYPE_CHECKING:
@@ -142,8 +142,7 @@ class VeriCacheRound:
 
     def plan(self, req: Req) -> int:
         """The draft length of req's next round: the policy's, at most the tokens left less one."""
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
-        return max(0, min(self.policy.next_len(self.accept_ema(req)), left - 1))
+        return draft_len(req, self.policy.next_len(self.accept_ema(req)))
 
     def accept_ema(self, req: Req) -> float:
         st = req.spec
