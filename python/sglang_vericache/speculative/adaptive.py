@@ -179,13 +179,12 @@ class AdaptiveVeriCache(AdaptiveAdmission, RoundLoop):
         if plan is None or not plan.run:
             return False
         x = draft_len(req, plan.draft_len, self.max_draft)
-        req.spec.decode_step = x == 0
         if resident or self.bookings.rings is None:
-            self.round.start(req, x)
+            self.round.start(req, x, decode_step=x == 0)
             self.bookings.book_resident(req, x)  # no link: verify once drafted
             return True
         booking = self.bookings.book(req, x)
-        self.round.start(req, max(0, min(booking.at - self.iteration, x)))
+        self.round.start(req, max(0, min(booking.at - self.iteration, x)), decode_step=x == 0)
         return True
 
     def verifies_now(self, req: Req, resident: bool) -> bool:

@@ -23,13 +23,9 @@ target is the token full mode samples there.
 
 One forward (`run`) holds, in this order, draft rows, verify rows whose exact KV is read from the
 pool (`resident`) and verify rows whose exact KV streams over the link (`staged`, mem_cache/link.py);
-which verifier is which is its driver's choice, per request. The drivers:
-  VeriCacheWorker (vericache_worker.py)      lock-step: every draft step, then verify groups split
-                                             by the link;
-  StaggeredVeriCache (stagger.py)            booked verifications inside mixed draft+verify forwards;
-  RemoteVerifyWorker (disagg/remote_verify.py)  drafts here; a VerifyResult becomes a Verdict and
-                                             goes through the same commit;
-  VerifierServer (disagg/verifier.py)        verify, accept and commit with a RecordingSink.
+which verifier is which is its driver's choice, per request. The drivers are the BaseSpecWorkers
+(speculative/base_spec_worker.py): lock-step, the RoundLoop's staggered and adaptive plans, the
+remote drafter (a VerifyResult becomes a Verdict and goes through the same commit) and the verifier.
 """
 
 from __future__ import annotations
@@ -150,8 +146,9 @@ class VeriCacheRound:
             st.accept_ema = self.policy.initial_state()
         return st.accept_ema
 
-    def start(self, req: Req, draft_target: int) -> None:
-        req.spec.start(draft_target)
+    def start(self, req: Req, draft_target: int, decode_step: bool = False) -> None:
+        """Opens req's round of draft_target drafts (decode_step: a planned decode step, not a round)."""
+        req.spec.start(draft_target, decode_step)
 
     def is_drafting(self, req: Req) -> bool:
         st = req.spec
