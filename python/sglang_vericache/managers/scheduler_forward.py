@@ -67,8 +67,7 @@ class SchedulerForwardMixin:
                 token_row += n
                 if not self.two_tier.fold(req, prefilling=sample_row is None):  # admission reserves; safety net
                     logger.warning("compressed tier full: requeueing %s", req.rid)
-                    if req is self.chunked_req:
-                        self.chunked_req = None
+                    self.queues.end_chunked(req)
                     self.memory.retract(req)
                     self.prefill_adder.back_off()
                     continue
@@ -76,10 +75,9 @@ class SchedulerForwardMixin:
             if lp_rows:
                 self.collect_input_logprobs(req, logits[base : base + len(rows)], rows, lp_rows)
             if sample_row is None:
-                self.chunked_req = req
+                self.queues.set_chunked(req)
                 continue
-            if req is self.chunked_req:
-                self.chunked_req = None
+            self.queues.end_chunked(req)
             req.input_logprobs_done = True
             if self.prefix_store is not None:  # KV store write-through: once, when the prefill completes
                 self.prefix_store.write_through(req)
