@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.speculative.reservations import VerifyReservations
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class VerifyBookings:
         self.link = link
         self.iter_time = INITIAL_ITER_TIME_S
         self.iteration = 0
-        self.rings = None  # no link: every verification is resident
+        self.rings = None  # no link (or no bookings on it): verifications are not booked on the link
         if link is not None:
             self.rings = VerifyReservations(horizon, self.link_bytes_per_iter(), link.max_tokens)
         self.booked: dict[str, Booking] = {}  # rid -> its round's verification
@@ -73,7 +74,10 @@ class VerifyBookings:
     def rebook_next(self, req: Req) -> None:
         """A streamed verification that did not fit the staging area waits one iteration."""
         self.cancel(req)
-        self.book(req, 1)
+        if self.rings is None:
+            self.book_resident(req, 1)
+        else:
+            self.book(req, 1)
 
     def verified(self, req: Req) -> None:
         """req's booked verification runs now: its round ends, and so does the booking."""
@@ -86,9 +90,10 @@ class VerifyBookings:
 
     def advance(self, elapsed: float | None = None) -> None:
         """The iteration is over (elapsed: its forward's seconds; None: no forward ran)."""
-        if elapsed is not None:
-            self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * elapsed
         if self.rings is not None:
+            if elapsed is not None:  # rank 0's time: the same bookings on every rank
+                elapsed = get_tp_group().agree(elapsed)
+                self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * elapsed
             self.rings.set_link_budget(self.link_bytes_per_iter())
             self.rings.advance()
         self.iteration += 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.speculative.booking import VerifyBookings
 
@@ -35,13 +34,15 @@ if TYPE_CHECKING:
 
 
 class RoundLoop(BaseSpecWorker):
-    def __init__(self, round: VeriCacheRound, memory: RequestMemory, running: list[Req], link: Link | None):
+    def __init__(self, round: VeriCacheRound, memory: RequestMemory, running: list[Req], link: Link | None,
+                 book_link: bool = True):
         self.round = round
         self.memory = memory
         self.running = running
         self.link = link
         self.max_draft = round.max_draft
-        self.bookings = VerifyBookings(link, 2 * round.max_draft + 2)
+        # book_link: streamed verifications are booked in the link's reservation rings
+        self.bookings = VerifyBookings(link if book_link else None, 2 * round.max_draft + 2)
         self.stats = {}
 
     @property
@@ -57,6 +58,9 @@ class RoundLoop(BaseSpecWorker):
     def start_round(self, req: Req, resident: bool) -> bool:
         """Starts req's next round and books its verification; False if it waits this iteration."""
         raise NotImplementedError
+
+    def started(self, running: list[Req]) -> None:
+        """Every request that could start its round has (before anyone's room is made)."""
 
     def verifies_now(self, req: Req, resident: bool) -> bool:
         """Whether req verifies in this iteration: its booked iteration has come."""
@@ -85,6 +89,7 @@ class RoundLoop(BaseSpecWorker):
         for q in running:
             if bookings.get(q) is None:
                 self.start_round(q, res_of[q.rid])
+        self.started(running)
 
         def verifies_now(q: Req) -> bool:
             return bookings.get(q) is not None and self.verifies_now(q, res_of.get(q.rid, False))
@@ -104,5 +109,5 @@ class RoundLoop(BaseSpecWorker):
         for q in on_device + streamed:
             bookings.verified(q)
         _, elapsed = self.run_forward(drafting, on_device, streamed)
-        bookings.advance(get_tp_group().agree(elapsed))  # rank 0's time: the same bookings on every rank
+        bookings.advance(elapsed)
         return bool(streamed) or any(not res_of.get(q.rid, True) for q in drafting)
