@@ -15,9 +15,9 @@ one object and calls these methods, never asking which worker it is:
   admission_gate               admission beyond memory, or None (the adaptive controller's say);
   server_info(args)            what /server_info reports of the schedule.
 The workers:
-  VeriCacheWorker      speculative/vericache_worker.py  lock-step rounds;
-  StaggeredVeriCache   speculative/stagger.py           RoundLoop with a fixed plan (booked verifications);
-  AdaptiveVeriCache    speculative/adaptive.py          RoundLoop with the controller's plan per step;
+  VeriCacheWorker      speculative/vericache_worker.py  RoundLoop, fixed plan: a whole round per step;
+  StaggeredVeriCache   speculative/stagger.py           RoundLoop, fixed plan: booked verifications;
+  AdaptiveVeriCache    speculative/adaptive.py          RoundLoop, the controller's plan per step;
   RemoteVerifyWorker   disagg/remote_verify.py          the drafter of dual-instance VeriCache;
   VerifyWorker         disagg/verify_worker.py          the verifier of dual-instance VeriCache.
 """

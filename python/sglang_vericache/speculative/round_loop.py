@@ -1,6 +1,6 @@
-"""RoundLoop: the iteration the staggered and the adaptive schedules share; a plan says what each
-request does in it (StaggeredVeriCache: a fixed plan; AdaptiveVeriCache: its controller's, remade as
-the batch changes).
+"""RoundLoop: the iteration every local VeriCache schedule runs; a plan says what each request does
+in it (VeriCacheWorker, lock-step, and StaggeredVeriCache: fixed plans; AdaptiveVeriCache: its
+controller's, remade as the batch changes).
 
 Every iteration is ONE forward (VeriCacheRound.run) of three kinds of rows:
   draft rows     requests in a round, drafting over the compressed tier;
