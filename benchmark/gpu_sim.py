@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_cost_model import Batch, CostModel, Option, Policy, StepTime, Work
 from sglang_vericache.mem_cache.link import split_by_budget
 from sglang_vericache.speculative.reservations import VerifyReservations
-from sglang_vericache.speculative.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
+from sglang_vericache.speculative.booking import INITIAL_ITER_TIME_S, ITER_TIME_EMA
 
 # ---------------------------------------------------------------- acceptance
 

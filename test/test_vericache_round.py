@@ -12,6 +12,7 @@ import torch
 
 from sglang_vericache.layers.sampler import Sampler
 from sglang_vericache.managers.output_sink import OutputSink, RecordingSink
+from sglang_vericache.managers.request_queues import RequestQueues
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.stats import SchedulerMetrics
 from sglang_vericache.model_executor.forward_batch import ForwardMode
@@ -96,8 +97,9 @@ def make_req(rid: str, prompt_len: int = 10, out: list[int] | None = None, max_n
 
 
 def make_round(sink_cls=OutputSink, forward=None, max_draft=4, fixed=True, two_tier=None, link=None):
-    memory, metrics, running = FakeMemory(), SchedulerMetrics(), []
-    sink = sink_cls(memory, running, metrics, {EOS}, None, 10_000)
+    memory, metrics, queues = FakeMemory(), SchedulerMetrics(), RequestQueues()
+    running = queues.running
+    sink = sink_cls(memory, queues, metrics, {EOS}, None, 10_000)
     policy = DraftLengthPolicy(max_draft if fixed else None, max_draft)
     rnd = VeriCacheRound(policy, Sampler(), VOCAB, {EOS}, memory, sink, metrics, forward, two_tier, link)
     return rnd, memory, sink, running

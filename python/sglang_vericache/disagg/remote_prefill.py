@@ -40,11 +40,11 @@ from sglang_vericache.mem_cache.prefix_store import model_identity
 from sglang_vericache.mem_cache.storage.hash_chain import StoreNamespace, page_keys
 
 if TYPE_CHECKING:
-    from collections import deque
 
     from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
     from sglang_vericache.managers.output_sink import OutputSink
     from sglang_vericache.managers.request_memory import RequestMemory
+    from sglang_vericache.managers.request_queues import RequestQueues
     from sglang_vericache.managers.schedule_batch import Req
     from sglang_vericache.managers.stats import SchedulerMetrics
     from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache
@@ -82,13 +82,14 @@ class RemotePrefill:
     slots (req_to_token_pool, kv_pool) with the KV the verifier sends, folds it (two_tier) into
     tree_cache, and emits through output. recv_socket: the scheduler's input, polled while idle."""
 
-    def __init__(self, args: ServerArgs, waiting_queue: deque[Req], running: list[Req], req_to_token_pool,
+    def __init__(self, args: ServerArgs, queues: RequestQueues, req_to_token_pool,
                  allocator, kv_pool, tree_cache: CompressedPrefixCache, two_tier: TwoTierKV,
                  memory: RequestMemory, output: OutputSink, metrics: SchedulerMetrics,
                  worker: RemoteVerifyWorker, prefix_store: PrefixStore | None = None, recv_socket=None):
         self.args = args
-        self.waiting_queue = waiting_queue
-        self.running = running
+        self.queues = queues  # admission takes requests off queues.waiting into queues.running
+        self.waiting_queue = queues.waiting
+        self.running = queues.running
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.kv_pool = kv_pool
@@ -161,7 +162,7 @@ class RemotePrefill:
                 return
             req = self.waiting_queue[0]
             if not self.worker.link.up:
-                self.waiting_queue.popleft()
+                self.queues.take_waiting()
                 link = self.worker.link
                 self.fail_waiting(req, link.refused or f"verifier at {link.addr} is not reachable")
                 continue
@@ -175,7 +176,7 @@ class RemotePrefill:
             if not self.reserve(req, len(ids)):
                 self.cache.unlock(held)
                 if not self.running and not self.prefilling:
-                    self.waiting_queue.popleft()
+                    self.queues.take_waiting()
                     self.fail_waiting(req, "the prompt does not fit in this drafter's KV pools")
                     continue
                 return
@@ -190,7 +191,7 @@ class RemotePrefill:
             req.cached_tokens = prefix
             req.meta["compressed_prefix_tokens"] = prefix
             self.stats["prefix_pages"] += len(ids)
-            self.waiting_queue.popleft()
+            self.queues.take_waiting()
             if not self.worker.send_open(req, kv_from=prefix):
                 self.drop(req, f"verifier at {self.worker.link.addr} is not reachable")
                 continue
@@ -323,7 +324,7 @@ class RemotePrefill:
         tops = ([[v for v, _ in top]], [[i for _, i in top]])
         self.output.append_tokens(req, [res.token], [res.logprob], tops, 0)
         if not req.finished:
-            self.running.append(req)
+            self.queues.start_running(req)
         self.output.finish_round([req])
 
     def adopt(self, req: Req) -> None:

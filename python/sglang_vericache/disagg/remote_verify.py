@@ -37,6 +37,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -46,6 +47,7 @@ from sglang_vericache.disagg.messages import CloseSession, OpenSession, Pong, Pr
 from sglang_vericache.disagg.verifier_link import VerifierLink
 from sglang_vericache.mem_cache.storage.throttle import LinkThrottle, ThrottledStore
 from sglang_vericache.server_args import ServerArgs, parse_bytes
+from sglang_vericache.speculative.base_spec_worker import BaseSpecWorker
 from sglang_vericache.speculative.vericache_round import Verdict
 
 if TYPE_CHECKING:
@@ -58,7 +60,18 @@ logger = logging.getLogger(__name__)
 WAIT_MS = 20  # longest wait for a result when every running request has a run in flight
 
 
-class RemoteVerifyWorker:
+@dataclass(slots=True)
+class SessionRound:
+    """What the drafter keeps of one session's rounds: num_retractions when the verifier's session
+    opened (a retraction since then ends the session), whether the first round drafts half its
+    length, and when the round in progress started drafting (None: no round open)."""
+
+    retractions_at_open: int
+    half_first_round: bool
+    round_started_at: float | None = None
+
+
+class RemoteVerifyWorker(BaseSpecWorker):
     def __init__(self, args: ServerArgs, round: VeriCacheRound, memory: RequestMemory, running: list[Req],
                  exact_pool, abort: Callable[[Req, str], None], recv_socket=None, prefix_store=None):
         if round.two_tier.needs_queries:
@@ -77,6 +90,7 @@ class RemoteVerifyWorker:
         self.link = VerifierLink(args.verifier_addr, args.disagg_timeout, args.disagg_secret)
         self.prefill_results: list[PrefillResult] = []  # for RemotePrefill (disagg/remote_prefill.py)
         self.sessions: dict[str, Req] = {}  # rid -> request holding a session on the verifier
+        self.rounds: dict[str, SessionRound] = {}  # rid -> its session's round state
         self.inflight: dict[str, tuple[int, float]] = {}  # rid -> (round id, sent at)
         self.arrived: dict[str, VerifyResult] = {}
         self.round_ids = itertools.count()
@@ -109,7 +123,7 @@ class RemoteVerifyWorker:
         if grammar_key(req.sampling_params) is not None:
             return ("constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported in the "
                     "dual-instance mode (--disagg-role drafter)", 400)
-        self.poll_verifier()
+        self.poll()
         if self.link.refused is not None:
             return self.link.refused, 503
         if not self.link.up:
@@ -131,8 +145,7 @@ class RemoteVerifyWorker:
         if not ok:
             return False
         self.sessions[req.rid] = req
-        req.spec.retractions_at_open = req.num_retractions
-        req.spec.half_first_round = bool(self.stagger and self.num_opened % 2)
+        self.rounds[req.rid] = SessionRound(req.num_retractions, bool(self.stagger and self.num_opened % 2))
         self.num_opened += 1
         return True
 
@@ -145,6 +158,7 @@ class RemoteVerifyWorker:
 
     def forget(self, rid: str) -> None:
         self.sessions.pop(rid, None)
+        self.rounds.pop(rid, None)
         self.inflight.pop(rid, None)
         self.arrived.pop(rid, None)
 
@@ -156,7 +170,7 @@ class RemoteVerifyWorker:
 
     # ------------------------------------------------------------------ messages
 
-    def poll_verifier(self) -> None:
+    def poll(self) -> None:
         """Every scheduler step: results, heartbeat, a verifier that went away, sessions to close."""
         for msg in self.link.recv():
             self.on_message(msg)
@@ -166,10 +180,17 @@ class RemoteVerifyWorker:
             self.fail_all(f"verifier at {self.link.addr} went away (no answer for {self.link.timeout:g} s)")
         self.close_finished()
         for rid, req in list(self.sessions.items()):
-            if req.num_retractions != req.spec.retractions_at_open:
+            if req.num_retractions != self.rounds[rid].retractions_at_open:
                 self.link.send(CloseSession(rid, self.link.epoch or 0))
                 self.fail(req, "retracted on the drafter (out of KV memory); the dual-instance mode cannot "
                                "resume a request whose verifier session went ahead of it")
+
+    poll_verifier = poll
+
+    def server_info(self, args: ServerArgs) -> dict:
+        disagg = {"role": "drafter", "verifier_addr": args.verifier_addr, "prefill": args.disagg_prefill,
+                  "bandwidth": args.disagg_bandwidth}
+        return {"disagg": disagg, **super().server_info(args)}
 
     def close_finished(self) -> None:
         for rid, req in list(self.sessions.items()):
@@ -228,7 +249,7 @@ class RemoteVerifyWorker:
 
     # ------------------------------------------------------------------ rounds
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         r = self.round
         self.memory.make_room(lambda req: r.plan(req) + 1)
         reqs = list(self.running)
@@ -236,7 +257,7 @@ class RemoteVerifyWorker:
         live = [req for req in reqs if req.rid in self.sessions and not req.finished and not req.to_abort]
         idle = [req for req in live if req.rid not in self.inflight]
         for req in idle:
-            if req.spec.round_started_at is None:
+            if self.rounds[req.rid].round_started_at is None:
                 self.start_round(req)
         drafting = [req for req in idle if r.is_drafting(req)]
         if drafting:
@@ -259,7 +280,7 @@ class RemoteVerifyWorker:
             self.apply_arrived()
 
     def start_round(self, req: Req) -> None:
-        st = req.spec
+        st = self.rounds[req.rid]
         x = self.round.plan(req)
         self.round.start(req, x // 2 if st.half_first_round else x)
         st.round_started_at, st.half_first_round = time.perf_counter(), False
@@ -285,10 +306,10 @@ class RemoteVerifyWorker:
             if self.arrived[rid].meta.get("ready_at", 0.0) > now:
                 continue  # still crossing the drafter's link (--disagg-bandwidth)
             res, req = self.arrived.pop(rid), self.sessions[rid]
-            st = req.spec
+            st = self.rounds[rid]
             t_start, st.round_started_at = st.round_started_at, None
             _, t_sent = self.inflight.pop(rid)
-            d, j = st.drafts, res.accepted
+            d, j = req.spec.drafts, res.accepted
             kv_start = req.kv_committed_len
             slots = self.memory.alloc_slots(req, len(d) + 1)
             if slots is None:

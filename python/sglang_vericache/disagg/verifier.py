@@ -9,11 +9,8 @@ instead of the tokenizer-facing event loop:
     prefill   one prefill batch per iteration (its first token is sampled as the drafter's own
               prefill samples it; the first VerifyRun must start with that token, or the session
               is out of sync and fails).
-    verify    every prefilled session with a pending run, in ONE TARGET_VERIFY forward of the
-              scheduler's VeriCacheRound (speculative/vericache_round.py): the same verify inputs,
-              target sampling (seed/positions/penalties as the drafter and as full mode),
-              acceptance and commit as a single instance's round; the KV of t_n, d_1..d_j is
-              committed (and sent back), the rejected slots freed.
+    verify    every prefilled session with a pending run, in ONE TARGET_VERIFY forward: the
+              scheduler's round driver, VerifyWorker (verify_worker.py), over its VeriCacheRound.
     expire    a drafter not heard from for --disagg-timeout seconds loses its sessions.
 
 Invariant per session (as in Req): between rounds, output_ids equals the drafter's and
@@ -44,6 +41,7 @@ from sglang_vericache.disagg.messages import (
     VerifyResult,
     VerifyRun,
 )
+from sglang_vericache.disagg.verify_worker import VerifyWorker
 from sglang_vericache.disagg.wire import Codec, DropLog, VersionMismatch, WireError
 from sglang_vericache.managers.io_struct import SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.schedule_batch import Req
@@ -102,6 +100,9 @@ class VerifierServer:
         self.drafter_seen: dict[bytes, float] = {}
         self.stats = {"sessions_opened": 0, "sessions_dropped": 0, "verify_forwards": 0, "runs_verified": 0,
                       "prefills_sent": 0, "frames_dropped": 0}
+        # The round driver of this instance (speculative/base_spec_worker.py), on the scheduler.
+        self.worker = VerifyWorker(self.sched, self.sessions, self.epoch, self.addr, self.send, self.fail, self.stats)
+        self.sched.spec_worker = self.worker
         self._stop = False
         logger.info("verifier listening on %s (epoch %d)", self.addr, self.epoch)
 
@@ -114,7 +115,7 @@ class VerifierServer:
     def serve_forever(self) -> None:
         try:
             while not self._stop:
-                busy = self.sched.waiting_queue or self.sched.chunked_req or self.ready_sessions()
+                busy = self.sched.waiting_queue or self.sched.chunked_req or self.worker.ready_sessions()
                 if self.sock.poll(0 if busy else IDLE_POLL_MS):
                     self.receive()
                 self.expire_drafters()
@@ -134,9 +135,7 @@ class VerifierServer:
         if batch:
             s.run_extend(batch)
             self.send_prefills()
-        ready = self.ready_sessions()
-        if ready:
-            self.verify(ready)
+        self.worker.forward_batch_generation()  # the sessions' pending runs, in one verify forward
 
     def receive(self) -> None:
         while True:
@@ -286,63 +285,6 @@ class VerifierServer:
             for k in keys:
                 self.close_session(k)
             self.stats["sessions_dropped"] += len(keys)
-
-    # ------------------------------------------------------------------ verify
-
-    def ready_sessions(self) -> list[Session]:
-        s = self.sched
-        return [x for x in self.sessions.values()
-                if x.pending is not None and x.req in s.running and x.req is not s.chunked_req]
-
-    def verify(self, ready: list[Session]) -> None:
-        s = self.sched
-        group: list[Session] = []
-        need = 0
-        for sess in ready:
-            run, req = sess.pending, sess.req
-            if req.finished or len(req.output_ids) != run.output_len or req.output_ids[-1] != run.tokens[0]:
-                sess.pending = None
-                self.fail(sess.drafter, sess.rid, run.round_id,
-                          f"drafter and verifier are out of sync at output token {run.output_len} "
-                          f"(the verifier has {len(req.output_ids)} tokens)")
-                continue
-            n = s.allocator.pages_needed(req.kv_allocated_len, len(run.tokens))
-            short = (need + n) * s.page_size - s.allocator.available_size()
-            if short > 0:
-                s.tree_cache.evict(short)
-            if (need + n) * s.page_size > s.allocator.available_size():
-                # Verifying frees nothing (only closed sessions do), so waiting could hang: fail it.
-                sess.pending = None
-                self.fail(sess.drafter, sess.rid, run.round_id,
-                          f"the verifier at {self.addr} is out of KV memory "
-                          f"({len(self.sessions)} open sessions)")
-                continue
-            need += n
-            group.append(sess)
-        if not group:
-            return
-        for sess in group:
-            sess.req.spec.start(len(sess.pending.tokens) - 1)
-            sess.req.spec.drafts = list(sess.pending.tokens[1:])
-        verdicts = s.round.run(resident=[x.req for x in group])
-        self.stats["verify_forwards"] += 1
-        kv = s.model_runner.token_to_kv_pool
-        for sess, v in zip(group, verdicts):
-            run, req, m = sess.pending, sess.req, v.accepted + 1
-            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, v.kv_start : v.kv_start + m]
-            res = VerifyResult(
-                rid=sess.rid, round_id=run.round_id, epoch=self.epoch, accepted=v.accepted,
-                correction=v.correction,
-                k=torch.stack([kv.k_buffer[layer][slots] for layer in range(kv.num_layers)]),
-                v=torch.stack([kv.v_buffer[layer][slots] for layer in range(kv.num_layers)]),
-            )
-            if req.return_logprob:
-                res.logprobs = v.logprobs[:m]
-                if req.top_logprobs_num:
-                    res.top_logprobs = (v.top_logprobs[0][:m], v.top_logprobs[1][:m])
-            sess.pending = None
-            self.stats["runs_verified"] += 1
-            self.send(sess.drafter, res)
 
 
 def run_verifier(server_args: ServerArgs) -> None:

@@ -16,15 +16,16 @@ from sglang_vericache.managers.io_struct import ReqOutput
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.request_memory import RequestMemory
+    from sglang_vericache.managers.request_queues import RequestQueues
     from sglang_vericache.managers.schedule_batch import Req
     from sglang_vericache.managers.stats import SchedulerMetrics
 
 
 class OutputSink:
-    def __init__(self, memory: RequestMemory, running: list[Req], metrics: SchedulerMetrics,
+    def __init__(self, memory: RequestMemory, queues: RequestQueues, metrics: SchedulerMetrics,
                  eos_token_ids: set[int], tokenizer, context_len: int):
         self.memory = memory
-        self.running = running
+        self.queues = queues
         self.metrics = metrics
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
@@ -65,8 +66,7 @@ class OutputSink:
         """Releases the finished requests of a step and streams the others."""
         for req in reqs:
             if req.finished:
-                if req in self.running:
-                    self.running.remove(req)
+                self.queues.stop_running(req)
                 self.release(req)
             elif req.stream:
                 self.emit(req)

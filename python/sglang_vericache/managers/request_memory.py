@@ -8,13 +8,13 @@ Req's: slots req_to_token[req_pool_idx, :kv_allocated_len], whole pages owned pa
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from sglang_vericache.managers.request_queues import RequestQueues
     from sglang_vericache.managers.schedule_batch import Req
     from sglang_vericache.managers.stats import SchedulerMetrics
     from sglang_vericache.mem_cache.two_tier import TwoTierKV
@@ -22,23 +22,20 @@ if TYPE_CHECKING:
 
 class RequestMemory:
     def __init__(self, req_to_token_pool, allocator, tree_cache, page_size: int, two_tier: TwoTierKV | None,
-                 running: list[Req], waiting_queue: deque[Req], metrics: SchedulerMetrics):
+                 queues: RequestQueues, metrics: SchedulerMetrics):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = page_size
         self.two_tier = two_tier
-        self.running = running
-        self.waiting_queue = waiting_queue
+        self.queues = queues  # it retracts (the newest running request first, or the prefill in progress)
+        self.running = queues.running  # read only: changed through queues
         self.metrics = metrics
         # Called when a request leaves (finished, aborted or retracted): the staggered schedule
         # gives back its booking.
         self.on_leave: Callable[[Req], None] | None = None
         # Called after a retraction: admission (PrefillAdder.on_retract) stops being optimistic.
         self.on_retract: Callable[[], None] | None = None
-        # Hands over the prefill in progress (the scheduler's chunked_req, then cleared), or None: it is
-        # the newest request, so make_room retracts it before any running one.
-        self.take_chunked: Callable[[], Req | None] | None = None
 
     def alloc_slots(self, req: Req, num_new: int) -> torch.Tensor | None:
         """Extends `req`'s slots by num_new positions, evicting cached prefixes if needed."""
@@ -78,13 +75,13 @@ class RequestMemory:
                 ok = self.two_tier.reserve_fold_chunks(self.running, new_tokens)
             if ok:
                 return
-            chunked = self.take_chunked() if self.take_chunked is not None else None
+            chunked = self.queues.take_chunked()  # the newest request: retracted before any running one
             if chunked is not None:  # a partial prefill holds pages a running request needs to grow
                 self.retract(chunked)
                 continue
             if len(self.running) == 1:
                 return
-            self.retract(self.running.pop())
+            self.retract(self.queues.pop_newest())
 
     def retract(self, req: Req) -> None:
         """Gives back a running request's KV (into the prefix cache, evictable) and requeues it first."""
@@ -92,7 +89,7 @@ class RequestMemory:
             self.on_leave(req)
         self.tree_cache.cache_finished_req(req)
         req.reset_for_retract()
-        self.waiting_queue.appendleft(req)
+        self.queues.requeue_first(req)
         self.metrics.num_retracted_total += 1
         if self.on_retract is not None:
             self.on_retract()

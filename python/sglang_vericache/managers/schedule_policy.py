@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections import deque
     from collections.abc import Callable
 
     from sglang_vericache.managers.request_memory import RequestMemory
+    from sglang_vericache.managers.request_queues import RequestQueues
     from sglang_vericache.managers.schedule_batch import Req
     from sglang_vericache.managers.stats import SchedulerMetrics
     from sglang_vericache.mem_cache.prefix_store import PrefixStore
@@ -37,13 +37,14 @@ class PrefillAdder:
     matched prefix and allocating its slots through memory. admission_gate (adaptive VeriCache) may
     refuse a request that memory would take."""
 
-    def __init__(self, args: ServerArgs, waiting_queue: deque[Req], running: list[Req], req_to_token_pool,
+    def __init__(self, args: ServerArgs, queues: RequestQueues, req_to_token_pool,
                  allocator, tree_cache, memory: RequestMemory, metrics: SchedulerMetrics,
                  two_tier: TwoTierKV | None = None, prefix_store: PrefixStore | None = None,
                  admission_gate: Callable[[Req, list[Req]], bool] | None = None):
         self.args = args
-        self.waiting_queue = waiting_queue
-        self.running = running
+        self.queues = queues  # admission takes requests off queues.waiting (read only here otherwise)
+        self.waiting_queue = queues.waiting
+        self.running = queues.running
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -136,7 +137,7 @@ class PrefillAdder:
             self.tree_cache.num_matched_tokens += prefix_len
             if self.two_tier is not None:
                 self.tree_cache.num_comp_matched_tokens += match.comp_len
-            del self.waiting_queue[i]
+            self.queues.take_waiting(i)
             batch.append((req, n))
             budget -= n
             avail -= n + self.reserve_for(req)
@@ -153,9 +154,7 @@ class PrefillAdder:
             match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False)
             return len(match.device_indices)
 
-        ordered = sorted(self.waiting_queue, key=cached_len, reverse=True)
-        self.waiting_queue.clear()
-        self.waiting_queue.extend(ordered)
+        self.queues.reorder_waiting(sorted(self.waiting_queue, key=cached_len, reverse=True))
 
     def chunk_len(self, req: Req, budget: int, avail: int, remaining: int | None = None) -> int:
         """Tokens of req to prefill now: whole request if it fits, else a page-aligned chunk."""

@@ -15,7 +15,6 @@ __init__ (each handed the server args and the pools, the tree or the tier it use
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 import zmq
 
@@ -35,8 +34,10 @@ from sglang_vericache.managers.io_struct import (
 )
 from sglang_vericache.managers.output_sink import OutputSink, RecordingSink
 from sglang_vericache.managers.request_memory import RequestMemory
+from sglang_vericache.managers.request_queues import RequestQueues
 from sglang_vericache.managers.schedule_batch import Req
 from sglang_vericache.managers.schedule_policy import PrefillAdder
+from sglang_vericache.managers.spec_worker_factory import create_spec_worker
 from sglang_vericache.managers.scheduler_forward import SchedulerForwardMixin
 from sglang_vericache.managers.scheduler_info import SchedulerInfoMixin
 from sglang_vericache.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
@@ -124,9 +125,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         sampler = Sampler(uses_triton_row_kernels(server_args.enable_deterministic_inference,
                                                   server_args.attention_backend, server_args.device))
         self.sampler = sampler if self.tp.size == 1 else RankZeroSampler(sampler, self.tp)
-        self.waiting_queue: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
+        # waiting, running and the prefill in progress, with one owner (request_queues.py)
+        self.queues = RequestQueues()
         self.metrics = SchedulerMetrics()
         # "Prefill batch." / "Decode batch." log lines (batch_log.py), from rank 0 alone.
         self.batch_log = BatchLog(server_args.decode_log_interval, self.mode == "vericache", self.tp.is_first)
@@ -153,27 +153,29 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                      finished requests through memory;
           round      VeriCacheRound (VeriCache modes and the verifier): plan, draft, verify,
                      accept, commit over memory, output, the forward, the two tiers and the link;
-          spec_worker  the driver that schedules rounds: lock-step, staggered (its bookings go back
-                     through memory.on_leave), or the remote drafter;
+          spec_worker  the one driver of rounds (BaseSpecWorker, chosen by create_spec_worker):
+                     lock-step, staggered, adaptive or the remote drafter (bookings go back through
+                     memory.on_leave -> release);
           prefill_adder  PrefillAdder: admission through memory (a retraction tells it through
                      memory.on_retract), with the adaptive driver's admission_gate;
           remote_prefill  RemotePrefill (--disagg-prefill verifier): admission instead of prefill,
                      through memory, output and the remote drafter's worker."""
         args = self.server_args
         self.memory = RequestMemory(self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size,
-                                    self.two_tier, self.running, self.waiting_queue, self.metrics)
-        self.memory.take_chunked = self._take_chunked_req
+                                    self.two_tier, self.queues, self.metrics)
         sink = RecordingSink if args.disagg_role == "verifier" else OutputSink
-        self.output = sink(self.memory, self.running, self.metrics, self.eos_token_ids, self.tokenizer,
+        self.output = sink(self.memory, self.queues, self.metrics, self.eos_token_ids, self.tokenizer,
                            self.context_len)
         vericache = self.mode == "vericache"
         self.round = self.make_round() if vericache or args.disagg_role == "verifier" else None
-        self.spec_worker = self.make_spec_worker() if vericache else None
-        if vericache and (args.staggered or args.adaptive):
-            self.memory.on_leave = self.spec_worker.cancel
-        # Admission beyond memory (schedule_policy.py): the adaptive controller's say, if any.
-        self.admission_gate = self.spec_worker.admits if vericache and args.adaptive else None
-        self.prefill_adder = PrefillAdder(args, self.waiting_queue, self.running, self.req_to_token_pool,
+        # The one driver of VeriCache rounds (spec_worker_factory.py); its bookings go back when a
+        # request leaves, and it may gate admission (the adaptive controller).
+        self.spec_worker = create_spec_worker(args, self) if vericache else None
+        self.admission_gate = None
+        if self.spec_worker is not None:
+            self.memory.on_leave = self.spec_worker.release
+            self.admission_gate = self.spec_worker.admission_gate
+        self.prefill_adder = PrefillAdder(args, self.queues, self.req_to_token_pool,
                                           self.allocator, self.tree_cache, self.memory, self.metrics,
                                           self.two_tier, self.prefix_store, self.admission_gate)
         self.memory.on_retract = self.prefill_adder.on_retract
@@ -182,31 +184,9 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             from sglang_vericache.disagg.remote_prefill import RemotePrefill
 
             self.remote_prefill = RemotePrefill(
-                args, self.waiting_queue, self.running, self.req_to_token_pool, self.allocator,
+                args, self.queues, self.req_to_token_pool, self.allocator,
                 self.model_runner.token_to_kv_pool, self.tree_cache, self.two_tier, self.memory, self.output,
                 self.metrics, self.spec_worker, self.prefix_store, self.recv_socket)
-
-    def make_spec_worker(self):
-        """The driver of VeriCache rounds: the remote drafter, staggered, adaptive or lock-step."""
-        args = self.server_args
-        if args.disagg_role == "drafter":  # dual-instance (disagg/): verification on a remote verifier
-            from sglang_vericache.disagg.remote_verify import RemoteVerifyWorker
-
-            return RemoteVerifyWorker(args, self.round, self.memory, self.running,
-                                      self.model_runner.token_to_kv_pool, self.abort, self.recv_socket,
-                                      self.prefix_store)
-        if args.staggered:
-            from sglang_vericache.speculative.stagger import StaggeredVeriCache
-
-            return StaggeredVeriCache(self.round, self.memory, self.running, self.link)
-        if args.adaptive:
-            from sglang_vericache.speculative.adaptive import AdaptiveVeriCache
-
-            return AdaptiveVeriCache(args, self.round, self.memory, self.running, self.link, self.two_tier,
-                                     self.model_runner, self.page_size)
-        from sglang_vericache.speculative.vericache_worker import VeriCacheWorker
-
-        return VeriCacheWorker(self.round, self.memory, self.running, self.link)
 
     def make_round(self):
         from sglang_vericache.speculative.acceptance import DraftLengthPolicy
@@ -222,6 +202,18 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         return VeriCacheRound(policy, self.sampler, self.vocab_size, self.eos_token_ids, self.memory, self.output,
                               self.metrics, self.forward, self.two_tier, self.link, draft_pool,
                               args.ngram_config() if self.mode == "vericache" else None)
+
+    @property
+    def running(self) -> list[Req]:
+        return self.queues.running
+
+    @property
+    def waiting_queue(self):
+        return self.queues.waiting
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.queues.chunked
 
     @property
     def outbox(self) -> list[ReqOutput]:
@@ -248,13 +240,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             if busy and self.profiler.running:
                 self.profiler.on_step()
 
-    def _take_chunked_req(self):
-        req, self.chunked_req = self.chunked_req, None
-        return req
-
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req
-                    or (self.remote_prefill is not None and self.remote_prefill.prefilling))
+        return self.queues.has_work() or bool(self.remote_prefill is not None and self.remote_prefill.prefilling)
 
     def recv_requests(self, block: bool = False) -> None:
         """Handles what arrived (rank 0: its socket; other ranks: rank 0's broadcast of it)."""
@@ -303,7 +290,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 f"more than the {self.max_req_len} tokens a request may have",
             )
         req = Req.from_input(r)
-        if self.server_args.disagg_role == "drafter":  # dual-instance: open the verifier's session now
+        if self.spec_worker is not None:  # dual-instance: the verifier's session opens now
             refused = self.spec_worker.open_session(req)
             if refused is not None:
                 return SchedulerError(r.rid, *refused)
@@ -314,22 +301,21 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 req.grammar = self.grammar_backend.new_grammar(r.sampling_params)
             except InvalidRequest as e:
                 return SchedulerError(r.rid, str(e))
-        self.waiting_queue.append(req)
+        self.queues.enqueue(req)
         self.metrics.num_requests_total += 1
         return None
 
     def abort_request(self, rid: str) -> None:
         prefilling = list(self.remote_prefill.prefilling.values()) if self.remote_prefill is not None else []
-        chunked = [self.chunked_req] if self.chunked_req else []
-        for req in [*self.waiting_queue, *self.running, *chunked, *prefilling]:
+        for req in [*self.queues.all(), *prefilling]:
             if req.rid == rid:
                 self.abort(req, "aborted by the client")
                 return
 
     def abort(self, req: Req, message: str) -> None:
         """Ends req with an abort carrying message: now if it waits, at the next step if it runs."""
-        if req in self.waiting_queue:
-            self.waiting_queue.remove(req)
+        if req in self.queues.waiting:
+            self.queues.drop_waiting(req)
             if req.req_pool_idx is not None:  # a retracted request holds nothing; a fresh one neither
                 self.tree_cache.cache_finished_req(req)
             req.finished_reason = {"type": "abort", "message": message}
@@ -338,7 +324,7 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
             req.to_abort = message  # running, chunked or prefilling: drop_aborted (or RemotePrefill) ends it
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        if self.running or self.waiting_queue or self.chunked_req:
+        if self.queues.has_work():
             return FlushCacheReqOutput(False, "requests are still running")
         self.tree_cache.reset()
         self.allocator.clear()  # idle: every slot was either free or owned by the tree
@@ -350,8 +336,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> None:
-        if self.server_args.disagg_role == "drafter":  # verifier results, heartbeat, a verifier gone away
-            self.spec_worker.poll_verifier()
+        if self.spec_worker is not None:  # the remote drafter: verifier results, heartbeat
+            self.spec_worker.poll()
         self.drop_aborted()
         if self.remote_prefill is not None:  # prompts prefill on the verifier: admission only, here
             self.remote_prefill.step()
@@ -371,10 +357,10 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
 
     def drop_aborted(self) -> None:
         for req in [r for r in self.running if r.to_abort]:
-            self.running.remove(req)
+            self.queues.stop_running(req)
             req.finished_reason = {"type": "abort", "message": req.to_abort}
             self.output.release(req)
         if self.chunked_req is not None and self.chunked_req.to_abort:
-            req, self.chunked_req = self.chunked_req, None
+            req = self.queues.take_chunked()
             req.finished_reason = {"type": "abort", "message": req.to_abort}
             self.output.release(req)

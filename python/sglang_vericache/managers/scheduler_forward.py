@@ -54,7 +54,7 @@ class SchedulerForwardMixin:
             fb.captured_q = {}
         t0 = time.perf_counter()
         logits = self.forward(fb, "prefill")  # zero rows when only KV is wanted (a middle chunk)
-        if hasattr(self.spec_worker, "observe_prefill"):  # adaptive VeriCache's cost fit
+        if self.spec_worker is not None:  # adaptive VeriCache's cost fit
             self.spec_worker.observe_prefill([(start, n) for _, start, n, *_ in plan], time.perf_counter() - t0)
 
         to_sample = []
@@ -67,8 +67,7 @@ class SchedulerForwardMixin:
                 token_row += n
                 if not self.two_tier.fold(req, prefilling=sample_row is None):  # admission reserves; safety net
                     logger.warning("compressed tier full: requeueing %s", req.rid)
-                    if req is self.chunked_req:
-                        self.chunked_req = None
+                    self.queues.end_chunked(req)
                     self.memory.retract(req)
                     self.prefill_adder.back_off()
                     continue
@@ -76,10 +75,9 @@ class SchedulerForwardMixin:
             if lp_rows:
                 self.collect_input_logprobs(req, logits[base : base + len(rows)], rows, lp_rows)
             if sample_row is None:
-                self.chunked_req = req
+                self.queues.set_chunked(req)
                 continue
-            if req is self.chunked_req:
-                self.chunked_req = None
+            self.queues.end_chunked(req)
             req.input_logprobs_done = True
             if self.prefix_store is not None:  # KV store write-through: once, when the prefill completes
                 self.prefix_store.write_through(req)
@@ -96,7 +94,7 @@ class SchedulerForwardMixin:
 
     def run_decode(self) -> None:
         if self.spec_worker is not None:  # VeriCache: the round's driver makes its own room
-            self.spec_worker.step()
+            self.spec_worker.forward_batch_generation()
             return
         self.memory.make_room(lambda r: 1)
         if self.mode == "lossy":

@@ -94,11 +94,6 @@ class SchedulerInfoMixin:
             }
         if self.prefix_store is not None:
             info["kv_store"] = self.prefix_store.info()
-        if self.server_args.disagg_role == "drafter":
-            args = self.server_args
-            info["disagg"] = {"role": "drafter", "verifier_addr": args.verifier_addr, "prefill": args.disagg_prefill,
-                              "bandwidth": args.disagg_bandwidth}
-        if self.spec_worker is not None:
-            info["speculative_algorithm"] = "VERICACHE"
-            info["speculative_num_draft_tokens"] = self.server_args.speculative_num_draft_tokens
+        if self.spec_worker is not None:  # the schedule reports itself (and the drafter its verifier)
+            info.update(self.spec_worker.server_info(self.server_args))
         return info

@@ -58,8 +58,8 @@ class SchedulerOutputProcessorMixin:
                 self.output.grammar_dead_end(req)
                 continue
             self.output.append_tokens(req, [tok], lps[i : i + 1] if lps else None, tops, i)
-            if req not in self.running and not req.finished:
-                self.running.append(req)
+            if not req.finished:
+                self.queues.start_running(req)
         self.output.finish_round(reqs)
 
     def flush_outbox(self) -> None:

@@ -57,8 +57,7 @@ class SchedulerMetrics:
         used = s.max_total_num_tokens - s.allocator.available_size() - s.tree_cache.evictable_size()
         hits = getattr(s.tree_cache, "hit_rate", None)
         return SchedulerStats(
-            num_running_reqs=len(s.running) + (s.chunked_req is not None),
-            num_waiting_reqs=len(s.waiting_queue),
+            **s.queues.stats(),  # num_running_reqs, num_waiting_reqs: reported by their owner
             num_used_tokens=used,
             max_total_num_tokens=s.max_total_num_tokens,
             token_usage=used / s.max_total_num_tokens,

@@ -1,6 +1,24 @@
-"""The acceptance rule of one VeriCache round (ARCHITECTURE.md section 3)."""
+"""The rules of a round's length and acceptance (ARCHITECTURE.md section 3): how many tokens a request
+may still emit, the longest round it may draft (draft_len: the clamp every schedule applies),
+DraftLengthPolicy, and accepted_length."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_vericache.managers.schedule_batch import Req
+
+
+def tokens_left(req: Req) -> int:
+    """New tokens req may still emit (max_new_tokens less those emitted)."""
+    return req.sampling_params.max_new_tokens - len(req.output_ids)
+
+
+def draft_len(req: Req, *limits: int) -> int:
+    """The draft length of req's next round under `limits`: at most the tokens it may still emit less
+    one (a round emits its accepted drafts and the verifier's token), never below 0."""
+    return max(0, min(*limits, tokens_left(req) - 1))
 
 
 def accepted_length(drafts: list[int], targets: list[int]) -> int:

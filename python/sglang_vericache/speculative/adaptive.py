@@ -7,6 +7,7 @@ Every iteration is ONE forward of three kinds of rows (a MIXED batch):
                  drafts: under deterministic inference the same arithmetic as a decode step);
   staged rows    host-tier requests that verify now, their exact KV streamed over the link layer
                  by layer (booked in the reservation rings as the staggered schedule does).
+It is the RoundLoop (speculative/round_loop.py) the staggered schedule runs, with the plan remade.
 The controller (speculative/controller.py) chooses per request, from step costs fitted to the
 forwards measured so far: decode or a round of x drafts, and for host-tier requests whether
 they run at all (one that costs the batch more than it adds waits for device room). Choices take
@@ -21,8 +22,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sglang_vericache.mem_cache.placement import ExactPlacement, residency
+from sglang_vericache.mem_cache.placement import ExactPlacement
 from sglang_vericache.server_args import parse_bytes
+from sglang_vericache.speculative.acceptance import draft_len, tokens_left
+from sglang_vericache.speculative.adaptive_admission import REPLAN_EVERY, AdaptiveAdmission
 from sglang_vericache.speculative.controller import (
     DRAFT_LENGTHS,
     Acceptance,
@@ -35,9 +38,7 @@ from sglang_vericache.speculative.controller import (
     plan_summary,
 )
 from sglang_vericache.speculative.full_mode_note import FullModeNote
-from sglang_vericache.speculative.reservations import VerifyReservations
-from sglang_vericache.speculative.round_state import Booking
-from sglang_vericache.speculative.stagger import INITIAL_ITER_TIME_S, ITER_TIME_EMA
+from sglang_vericache.speculative.round_loop import RoundLoop
 
 if TYPE_CHECKING:
     from sglang_vericache.managers.request_memory import RequestMemory
@@ -50,30 +51,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REPLAN_EVERY = 16
 # A plan of decodes only is never tested against rounds by its own measurements (no forward has
 # verify rows of several tokens): at least this often, one request runs a round anyway.
 EXPLORE_EVERY = 64
 EXPLORE_DRAFT = 8
-# A request is admitted only if the batch's predicted tokens/s with it beats that without it by this
-# fraction (predictions are fitted costs: a tie is no reason to take device room or link time).
-ADMIT_MARGIN = 0.02
 # Priors for the cost model before any forward is measured (CPU / CUDA device).
 PRIOR_BANDWIDTH = {"cpu": 20e9, "cuda": 2e12}
 PRIOR_FLOPS = {"cpu": 1e11, "cuda": 3e14}
 
 
-class AdaptiveVeriCache:
+class AdaptiveVeriCache(AdaptiveAdmission, RoundLoop):
     def __init__(self, args: ServerArgs, round: VeriCacheRound, memory: RequestMemory, running: list[Req],
                  link: Link | None, two_tier: TwoTierKV, runner: ModelRunner, page_size: int):
-        self.round = round
-        self.memory = memory
-        self.running = running
-        self.link = link
+        super().__init__(round, memory, running, link)
         self.two_tier = two_tier
         self.page_size = page_size
         kv_bytes = runner.token_to_kv_pool.bytes_per_token()
-        self.max_draft = round.max_draft
         fixed = args.draft_tokens is not None
         lengths = (self.max_draft,) if fixed else tuple(x for x in DRAFT_LENGTHS if x <= self.max_draft)
         device_bytes = None
@@ -89,13 +82,8 @@ class AdaptiveVeriCache:
         self.controller = VeriCacheController(self._prior(runner, two_tier), kv_bytes,
                                               None if link is None else link.bandwidth, lengths)
         self.comp_rows_per_chunk = two_tier.pool.layouts[0].rows
-        self.iter_time = INITIAL_ITER_TIME_S
-        self.rings = None
-        if link is not None:
-            self.rings = VerifyReservations(2 * self.max_draft + 2, self._link_bytes_per_iter(), link.max_tokens)
         self.plans: dict[str, Plan] = {}
         self.accept: dict[str, Acceptance] = {}
-        self.iteration = 0
         self.max_resident = 0  # most requests resident at once (stats)
         self.last_round_at = 0
         self._plan_key = None
@@ -121,10 +109,6 @@ class AdaptiveVeriCache:
         return StepCostModel.from_sizes(params * elem, 2 * params, kv_bytes, kv_bytes / ratio, qk,
                                         PRIOR_BANDWIDTH[dev], PRIOR_FLOPS[dev])
 
-    def _link_bytes_per_iter(self) -> float:
-        bw = self.link.bandwidth
-        return float("inf") if bw is None else bw * self.iter_time
-
     # ------------------------------------------------------------------ plans
 
     def comp_keys(self, req: Req) -> int:
@@ -143,7 +127,7 @@ class AdaptiveVeriCache:
             return 0.0
         cost = per_page / self.page_size
         if not prefilled:
-            left = max(req.sampling_params.max_new_tokens - len(req.output_ids), 1)
+            left = max(tokens_left(req), 1)
             cost += per_page * max(committed // self.page_size - len(req.comp_indices), 0) / left
         return cost
 
@@ -154,10 +138,9 @@ class AdaptiveVeriCache:
         self._plan_key = key
         views = []
         for r, res in zip(running, resident):
-            left = r.sampling_params.max_new_tokens - len(r.output_ids)
             acc = self.accept.setdefault(r.rid, Acceptance())
             views.append(RequestView(committed=r.kv_committed_len, resident=res, accept_rate=acc.rate(),
-                                     comp_keys=self.comp_keys(r), max_draft=min(self.max_draft, left - 1),
+                                     comp_keys=self.comp_keys(r), max_draft=draft_len(r, self.max_draft),
                                      can_draft=not r.spec.decode_only,
                                      fold_s_per_token=0.0 if r.spec.decode_only
                                      else self.fold_cost(r, r.kv_committed_len, True)))
@@ -181,170 +164,45 @@ class AdaptiveVeriCache:
             logger.info("adaptive VeriCache: %s", summary)
         self._last_summary = summary
 
-    # ------------------------------------------------------------------ admission
+    # ------------------------------------------------------------------ the plan (RoundLoop)
 
-    def admits(self, req: Req, pending: list[Req]) -> bool:
-        """Whether to admit req now (after `pending`, admitted in this prefill batch), and how. Two
-        ways are weighed by the controller's predicted throughput of everything running then:
-          decode-only  req's exact KV resident and no compressed tier of its own (it decodes as full
-                       mode does; its device room is its exact KV alone), if it fits;
-          VeriCache    req's prompt folded into the compressed tier, resident if its exact KV still
-                       fits, else on the host tier (the only way when the KV store takes compressed pages);
-        req is admitted the better way among those that are admissible: one that keeps req resident
-        to its end (full mode would run it: never refused), or one the controller runs whose
-        predicted batch throughput beats the batch's without req by ADMIT_MARGIN (a host-tier
-        request, whose compressed chunks may also push others' exact KV off the device); else it
-        waits in the queue. "Beats the batch without req" means beats the better of that and full
-        mode's batch (_full_reference): a running set of host-tier rounds that predicts less than the
-        same requests decoding resident as full mode would hold them takes no more. VeriCache is
-        preferred to decode-only only if it beats it by ADMIT_MARGIN. Nothing running: always.
-
-        Before the cost model is measured (StepCostModel.measured: requests arriving together are
-        admitted during the first prefills, before any decode forward), predictions rest on the
-        prior's KV-read costs, and a wrong guess is not undone (the folds are paid, host-tier
-        requests hold compressed chunks on the device): then only ways that keep req and everyone
-        resident are admissible, decode-only first (full mode's schedule); the rest wait the few
-        forwards it takes to measure. Ways that put exact KV on the host tier also wait for measured
-        draft forwards (StepCostModel.drafts_measured: rounds of resident VeriCache requests measure
-        them): a draft forward's costs are not seen in decode forwards (measured on an AVX-512 CPU, a
-        one-row draft forward took 1.6x a one-row decode), and admitting host-tier rounds on a guess
-        locked a one-request budget into rounds at 0.6x full mode's throughput.
-
-        Each VeriCache way also pays its fold (RequestView.fold_s_per_token): its prompt's pages
-        and every page it commits, at the measured seconds per page."""
-        cost = self.controller.cost
-        key = (tuple(r.rid for r in self.running), tuple(r.rid for r in pending), req.rid,
-               self.iteration // REPLAN_EVERY, cost.measured, cost.drafts_measured)
-        if key != self._admit_key:
-            self._admit_key = key
-            measured = cost.measured
-            # A way that moves exact KV to the host tier (req's, or others' pushed off by its chunks) is
-            # not undone once taken: it is taken only on measured draft costs (drafts_measured).
-            host_ok = measured and cost.drafts_measured
-            without = self._predict(None, pending, False)[0] if (self.running or pending) else 0.0
-            ways = [(self._predict(req, pending, d), d) for d in self.admission_ways]
-            host = self.realized.host_factor()  # host-tier ways: as realized so far (RealizedThroughput)
-            ways = [((tput * (1 if keeps or d else host), runs, keeps), d) for (tput, runs, keeps), d in ways]
-            floor = max(without, self._full_reference(req, pending)) if measured else 0.0
-            ok = [(tput * (1 + ADMIT_MARGIN if d else 1), d) for (tput, runs, keeps), d in ways
-                  if runs and keeps or (host_ok and runs and tput > floor * (1 + ADMIT_MARGIN))]
-            if ok and not measured:
-                self._admit_answer = (True, max(d for _, d in ok))
-            elif ok:
-                self._admit_answer = (True, max(ok)[1])
-            else:  # waits; alone it is admitted anyway, the better way
-                self._admit_answer = (False, max((w[0][0], w[1]) for w in ways)[1])
-        admit, decode_only = self._admit_answer
-        if not self.running and not pending:
-            admit = True  # never leave the server idle
-        if admit:
-            req.spec.decode_only = decode_only
-        return admit
-
-    def _predict(self, req: Req | None, pending: list[Req], decode_only: bool) -> tuple[float, bool, bool]:
-        """(predicted tok/s, whether req runs, whether it and everyone resident before stay resident to
-        their ends) with req admitted decode-only or as VeriCache (req None: the others alone)."""
-        ps, chunk = self.page_size, self.two_tier.pool.bytes_per_chunk()
-        reqs, lens, final = self._batch(req, pending)
-        if not reqs:
-            return 0.0, False, False
-        only = [r.spec.decode_only for r in reqs]
-        if req is not None:
-            only[-1] = decode_only
-        # Residency is judged at every request's end (its prompt and all its new tokens), so a request
-        # admitted resident stays so as it and the others grow: a decode-only request pushed onto the
-        # host later would stream one-row verifies, slower than waiting in the queue.
-        running = set(id(r) for r in self.running)
-        new_comp = sum((f // ps - (len(r.comp_indices) if id(r) in running else 0)) * chunk
-                       for r, f, o in zip(reqs, final, only) if not o)
-        sizes = [self.placement.exact_bytes(f) for f in final]
-        drafters = sum(1 for o in only if not o)
-        resident = residency(sizes, self.placement.free_bytes(drafters) - new_comp)
-        if not all(resident):
-            resident = residency(sizes, self.placement.free_bytes(drafters, staging=True) - new_comp)
-        if req is not None and decode_only and not resident[-1]:
-            return -1.0, False, False
-        keeps = req is not None and resident[-1] and all(resident)
-        views = []
-        for r, n, res, o in zip(reqs, lens, resident, only):
-            left = r.sampling_params.max_new_tokens - len(r.output_ids)
-            acc = self.accept.get(r.rid) or Acceptance()
-            comp = (n // ps) * self.comp_rows_per_chunk + n % ps
-            fold = 0.0 if o else self.fold_cost(r, n, id(r) in running)
-            views.append(RequestView(committed=n, resident=res, accept_rate=acc.rate(), comp_keys=comp,
-                                     max_draft=min(self.max_draft, max(left - 1, 0)), can_draft=not o,
-                                     fold_s_per_token=fold))
-        d = self.controller.decide(views)
-        return d.throughput, d.plans[-1].run, keeps
-
-    def _batch(self, req: Req | None, pending: list[Req]) -> tuple[list[Req], list[int], list[int]]:
-        """The running requests, `pending` and req (if any) in admission order, with their committed
-        lengths now (one not yet prefilled: its prefill) and at their ends (every new token)."""
-        running = set(id(r) for r in self.running)
-        reqs = list(self.running) + list(pending) + ([req] if req is not None else [])
-        lens = [r.kv_committed_len if id(r) in running else r.prefill_target_len() for r in reqs]
-        final = [n + max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r, n in zip(reqs, lens)]
-        return reqs, lens, final
-
-    def _full_reference(self, req: Req, pending: list[Req]) -> float:
-        """Predicted tok/s of full mode's batch of the running requests, `pending` and req: each
-        decoding, resident in admission order while their exact KV alone (at its end) fits the
-        device budget; the rest wait in the queue."""
-        _, lens, final = self._batch(req, pending)
-        budget = self.placement.device_bytes
-        fits = residency([self.placement.exact_bytes(f) for f in final],
-                         float("inf") if budget is None else budget)
-        views = [RequestView(committed=n, resident=True, accept_rate=0.0, comp_keys=0, max_draft=0,
-                             can_draft=False) for n, f in zip(lens, fits) if f]
-        return self.controller.decide(views).throughput if views else 0.0
-
-    # ------------------------------------------------------------------ rounds
+    def place(self, running: list[Req]) -> dict[str, bool]:
+        """Re-places the running requests' exact KV (mem_cache/placement.py) and remakes the plan."""
+        resident = self.placement.update(running)
+        self.max_resident = max(self.max_resident, sum(resident))
+        self.replan(running, resident)
+        return {q.rid: res for q, res in zip(running, resident)}
 
     def start_round(self, req: Req, resident: bool) -> bool:
         """Starts req's next round per its plan (x = 0: a decode step); False if it waits now."""
         plan = self.plans.get(req.rid)
         if plan is None or not plan.run:
             return False
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
-        x = max(0, min(plan.draft_len, self.max_draft, left - 1))
-        st = req.spec
-        st.decode_step = x == 0
-        if resident or self.rings is None:
-            self.round.start(req, x)
-            st.booking = Booking(self.iteration + x, 0, 0)  # no link: verify once drafted
+        x = draft_len(req, plan.draft_len, self.max_draft)
+        if resident or self.bookings.rings is None:
+            self.round.start(req, x, decode_step=x == 0)
+            self.bookings.book_resident(req, x)  # no link: verify once drafted
             return True
-        n = req.kv_committed_len
-        nbytes = self.link.bytes_for(n)
-        st.booking = Booking(self.rings.reserve(x, nbytes, n), nbytes, n)
-        self.round.start(req, max(0, min(st.booking.at - self.iteration, x)))
+        booking = self.bookings.book(req, x)
+        self.round.start(req, max(0, min(booking.at - self.iteration, x)), decode_step=x == 0)
         return True
 
-    def cancel(self, req: Req) -> None:
+    def verifies_now(self, req: Req, resident: bool) -> bool:
+        # A resident request whose drafts stopped early verifies at once (no link slot to keep).
+        return self.bookings.due(req) or (resident and not self.round.is_drafting(req))
+
+    def release(self, req: Req) -> None:
         """req leaves the running set (finished, aborted, retracted): its booking goes back."""
-        b, req.spec.booking = req.spec.booking, None
-        if b is not None and b.nbytes and self.rings is not None:
-            self.rings.cancel(b.at, b.nbytes, b.tokens)
+        self.bookings.cancel(req)
         self.plans.pop(req.rid, None)
         self.accept.pop(req.rid, None)
 
-    def rebook_next(self, req: Req) -> None:
-        """A host-tier verification that did not fit the staging area waits one iteration."""
-        self.cancel_booking(req)
-        n = req.kv_committed_len
-        nbytes = self.link.bytes_for(n)
-        req.spec.booking = Booking(self.rings.reserve(1, nbytes, n), nbytes, n)
-
-    def cancel_booking(self, req: Req) -> None:
-        b, req.spec.booking = req.spec.booking, None
-        if b is not None and b.nbytes and self.rings is not None:
-            self.rings.cancel(b.at, b.nbytes, b.tokens)
-
     # ------------------------------------------------------------------ one iteration
 
-    def step(self) -> None:
+    def forward_batch_generation(self) -> None:
         start, reqs = time.perf_counter(), list(self.running)
         before = sum(len(q.output_ids) for q in reqs)
-        host = self._step()
+        host = self.iterate()
         w = self._window
         w[0] += 1
         w[1] += sum(len(q.output_ids) for q in reqs) - before
@@ -354,61 +212,21 @@ class AdaptiveVeriCache:
             self.realized.window(w[3] * 2 > w[0], w[1], w[2], self._predicted)
             self._window = [0, 0, 0.0, 0.0]
 
-    def _step(self) -> bool:
-        """One iteration; -> whether host-tier requests ran rounds in it."""
-        r = self.round
-        running = list(self.running)
-        resident = self.placement.update(running)
-        res_of = {q.rid: res for q, res in zip(running, resident)}
-        self.max_resident = max(self.max_resident, sum(resident))
-        self.replan(running, resident)
-        for q in running:
-            if q.spec.booking is None:
-                self.start_round(q, res_of[q.rid])
-
-        def verifies_now(q: Req) -> bool:
-            b = q.spec.booking
-            if b is None:
-                return False
-            # A resident request whose drafts stopped early verifies at once (no link slot to keep).
-            return b.at <= self.iteration or (res_of.get(q.rid, False) and not r.is_drafting(q))
-
-        self.memory.make_room(lambda q: len(q.spec.drafts) + 1 if verifies_now(q) else 0)
-        running = list(self.running)  # make_room may retract
-        on_device = [q for q in running if verifies_now(q) and res_of.get(q.rid)]
-        streamed = [q for q in running if verifies_now(q) and not res_of.get(q.rid)]
-        if streamed:  # what does not fit the staging area waits one more iteration
-            streamed, *late = self.link.split(streamed)
-            for q in (q for g in late for q in g):
-                self.rebook_next(q)
-        drafting = [q for q in running if q.spec.booking is not None and not verifies_now(q) and r.is_drafting(q)]
-        if not (drafting or on_device or streamed):
-            self.advance()
-            return False
+    def run_forward(self, drafting: list[Req], on_device: list[Req], streamed: list[Req]):
+        """The forward, measured for the cost fit (less the time it stalled on the link)."""
         verifiers = on_device + streamed
         shape = [(len(q.spec.drafts), q.kv_committed_len) for q in verifiers]
         comp = sum(self.comp_keys(q) for q in drafting)
         draft_keys = comp + sum(len(q.spec.drafts) + 1 for q in drafting)
-        for q in verifiers:
-            q.spec.booking = None
         t0 = time.perf_counter()
-        verdicts = r.run(drafting=drafting, resident=on_device, staged=streamed)
-        elapsed = time.perf_counter() - t0
+        verdicts, elapsed = super().run_forward(drafting, on_device, streamed)
         self.observe(len(drafting), comp, draft_keys, shape, elapsed - self._stall_seconds(since=t0))
         for v in verdicts:
             if v.drafted:
                 self.last_round_at = self.iteration
                 if v.req.rid in self.accept:
                     self.accept[v.req.rid].update(v.drafted, v.accepted)
-        self.iter_time = (1 - ITER_TIME_EMA) * self.iter_time + ITER_TIME_EMA * elapsed
-        self.advance()
-        return bool(streamed) or any(not res_of.get(q.rid, True) for q in drafting)
-
-    def advance(self) -> None:
-        if self.rings is not None:
-            self.rings.set_link_budget(self._link_bytes_per_iter())
-            self.rings.advance()
-        self.iteration += 1
+        return verdicts, elapsed
 
     def _stall_seconds(self, since: float) -> float:
         """Seconds the compute waited on the link since `since` (the forward's start)."""

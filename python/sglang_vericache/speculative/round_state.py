@@ -1,9 +1,14 @@
 """VeriCacheState: what one request carries between the steps of its VeriCache rounds (Req.spec).
 
-Owned by speculative/vericache_round.py (drafts, masks, target, acceptance) and by the driver that
-schedules the round: the staggered schedule's booking, the remote drafter's session fields. User-
-visible counters (spec_rounds, spec_accept_length, ...) stay in Req.meta, which goes to the client;
-every response's meta_info carries them, zero where no round ran (SPEC_META_DEFAULTS).
+The round's own state, owned by VeriCacheRound (speculative/vericache_round.py): the drafts, their
+masks, the target, the acceptance EMA, the n-gram index, and whether this round is a planned decode
+step; and the one fact admission decides for the request's whole stay, decode_only (set by the
+adaptive admission gate, read by placement and the two tiers). What a schedule keeps per request
+stays with the schedule: the verification bookings in VerifyBookings (speculative/booking.py), the
+adaptive plans and acceptance in AdaptiveVeriCache, the remote drafter's session rounds in
+RemoteVerifyWorker.rounds (disagg/remote_verify.py). User-visible counters (spec_rounds,
+spec_accept_length, ...) stay in Req.meta, which goes to the client; every response's meta_info
+carries them, zero where no round ran (SPEC_META_DEFAULTS).
 """
 
 from __future__ import annotations
@@ -28,46 +33,31 @@ SPEC_META_DEFAULTS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Booking:
-    """A staggered request's reserved verification (speculative/reservations.py): the iteration,
-    and the link bytes and staging tokens it holds there."""
-
-    at: int
-    nbytes: int
-    tokens: int
-
-
 @dataclass(slots=True)
 class VeriCacheState:
+    # --- VeriCacheRound's (start, sample_drafts, commit).
     # This round: the drafts so far, the grammar bitmask each was sampled under (row i of the
-    # verification uses draft_masks[i]), and how many drafts the round aims for.
+    # verification uses draft_masks[i]), how many drafts the round aims for, and whether it is a
+    # planned decode step (the adaptive plan's x = 0: committed, not counted as a round).
     drafts: list[int] = field(default_factory=list)
     draft_masks: list = field(default_factory=list)
     draft_target: int = 0
+    decode_step: bool = False
     # DraftLengthPolicy's acceptance EMA (None until the first round is planned); kept across
     # retractions, like the request's counters.
     accept_ema: float | None = None
-    # Staggered schedule: the verification this round booked (None: no round booked).
-    booking: Booking | None = None
-    # Remote drafter (disagg/remote_verify.py): when this round started drafting (None: no round
-    # open), whether the first round drafts half its length, and num_retractions when the
-    # verifier's session opened (a retraction since then ends the session).
-    round_started_at: float | None = None
-    half_first_round: bool = False
-    retractions_at_open: int = 0
-    # Adaptive schedule (speculative/adaptive.py): admitted to decode exactly as full mode does, exact
-    # KV resident, with no compressed tier of its own (nothing folded, no queries kept, no rounds);
-    # and whether this "round" is a planned decode step (x = 0: committed, not counted as a round).
-    decode_only: bool = False
-    decode_step: bool = False
     # --speculative-ngram (speculative/ngram.py): the n-gram index of the committed tokens (built at
     # the first lookup, caught up before each); kept across rounds and retractions (committed tokens
     # only grow).
     ngram: NgramIndex | None = None
+    # --- Admission's (the adaptive admission gate; read by placement and the two tiers): admitted to
+    # decode exactly as full mode does, exact KV resident, with no compressed tier of its own (nothing
+    # folded, no queries kept, no rounds).
+    decode_only: bool = False
 
-    def start(self, draft_target: int) -> None:
+    def start(self, draft_target: int, decode_step: bool = False) -> None:
         self.drafts, self.draft_masks, self.draft_target = [], [], draft_target
+        self.decode_step = decode_step
 
     def end(self) -> None:
         self.drafts, self.draft_masks = [], []
@@ -77,4 +67,4 @@ class VeriCacheState:
         if grammar is not None:
             grammar.rollback(len(self.drafts))
         self.start(0)
-        self.decode_only = self.decode_step = False  # re-admission decides again
+        self.decode_only = False  # re-admission decides again

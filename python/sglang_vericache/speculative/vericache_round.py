@@ -23,13 +23,9 @@ target is the token full mode samples there.
 
 One forward (`run`) holds, in this order, draft rows, verify rows whose exact KV is read from the
 pool (`resident`) and verify rows whose exact KV streams over the link (`staged`, mem_cache/link.py);
-which verifier is which is its driver's choice, per request. The drivers:
-  VeriCacheWorker (vericache_worker.py)      lock-step: every draft step, then verify groups split
-                                             by the link;
-  StaggeredVeriCache (stagger.py)            booked verifications inside mixed draft+verify forwards;
-  RemoteVerifyWorker (disagg/remote_verify.py)  drafts here; a VerifyResult becomes a Verdict and
-                                             goes through the same commit;
-  VerifierServer (disagg/verifier.py)        verify, accept and commit with a RecordingSink.
+which verifier is which is its driver's choice, per request. The drivers are the BaseSpecWorkers
+(speculative/base_spec_worker.py): lock-step, the RoundLoop's staggered and adaptive plans, the
+remote drafter (a VerifyResult becomes a Verdict and goes through the same commit) and the verifier.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from sglang_vericache.layers.sampler import sample_with_logprobs
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_vericache.model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 from sglang_vericache.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRow
-from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length
+from sglang_vericache.speculative.acceptance import DraftLengthPolicy, accepted_length, draft_len
 from sglang_vericache.speculative.ngram import NgramConfig, chain_masks, chain_proposals
 
 if TYPE_CHECKING:
@@ -141,8 +137,7 @@ class VeriCacheRound:
 
     def plan(self, req: Req) -> int:
         """The draft length of req's next round: the policy's, at most the tokens left less one."""
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
-        return max(0, min(self.policy.next_len(self.accept_ema(req)), left - 1))
+        return draft_len(req, self.policy.next_len(self.accept_ema(req)))
 
     def accept_ema(self, req: Req) -> float:
         st = req.spec
@@ -150,8 +145,9 @@ class VeriCacheRound:
             st.accept_ema = self.policy.initial_state()
         return st.accept_ema
 
-    def start(self, req: Req, draft_target: int) -> None:
-        req.spec.start(draft_target)
+    def start(self, req: Req, draft_target: int, decode_step: bool = False) -> None:
+        """Opens req's round of draft_target drafts (decode_step: a planned decode step, not a round)."""
+        req.spec.start(draft_target, decode_step)
 
     def is_drafting(self, req: Req) -> bool:
         st = req.spec
