@@ -44,11 +44,13 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "entrypoints",
-        ("", "launch_server", "engine", "entrypoints", "dp", "bench_serving", "disagg.verifier"),
+        ("", "launch_server", "engine", "entrypoints", "dp", "bench_serving", "disagg.verifier",
+         "disagg.verify_worker"),
         "where a request comes in: the CLI, the offline Engine, the HTTP/OpenAI server, the "
         "data-parallel controller that starts whole scheduler+tokenizer replicas and routes to them, "
         "the benchmark client; and disagg/verifier.py, the verifier instance's main loop, which builds "
-        "a full-mode Scheduler and serves the drafter's wire (launch_server runs it instead of HTTP)",
+        "a full-mode Scheduler and serves the drafter's wire (launch_server runs it instead of HTTP), with "
+        "the round driver it installs on that scheduler (disagg/verify_worker.py)",
     ),
     (
         "managers",
