@@ -184,7 +184,7 @@ def main() -> None:
         return get_compressor(name, cfg)
 
     cases = [
-        ("snapkv", SnapKVPress, {"window_size": 8, "kernel_size": 5}, ours("snapkv", window_size=8, kernel_size=5)),
+        ("snapkv", SnapKVPress, {"window_size": 64, "kernel_size": 5}, ours("snapkv", kernel_size=5)),
         ("expected_attention", ExpectedAttentionPress, {"n_future_positions": 512, "n_sink": 4},
          ours("expected_attention", n_future_positions=512, num_sink_tokens=4)),
     ]

@@ -53,7 +53,8 @@ class CompressorConfig:
     # streamingllm
     num_sink_tokens: int = 4
     # snapkv / pyramidkv
-    window_size: int = 8  # trailing observation window of the chunk (capped at T)
+    # observation window; None: 8 queries for a page (capped at T), 64 for a segment (kvpress SnapKVPress's)
+    window_size: int | None = None
     kernel_size: int = 5  # odd; 1 disables pooling
     pooling: Literal["avg", "max"] = "avg"
     pyramid_beta: int = 20  # smallest layer budget = ceil(mean budget / beta), as PyramidKV's beta
@@ -85,7 +86,8 @@ class CompressorConfig:
             raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
-        if self.window_size < 1 or self.group_size < 1 or self.pyramid_beta < 1 or self.num_sink_tokens < 0:
+        if ((self.window_size is not None and self.window_size < 1) or self.group_size < 1 or self.pyramid_beta < 1
+                or self.num_sink_tokens < 0):
             raise ValueError("window_size, group_size and pyramid_beta must be >= 1, num_sink_tokens >= 0")
         if not 0 <= self.h2o_recent_fraction <= 1:
             raise ValueError(f"h2o_recent_fraction must be in [0, 1], got {self.h2o_recent_fraction}")

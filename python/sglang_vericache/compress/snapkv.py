@@ -14,6 +14,10 @@ from sglang_vericache.compress.token_drop import (
 )
 
 
+PAGE_WINDOW = 8  # a page's observation window (capped at the page)
+SEGMENT_WINDOW = 64  # a segment's: kvpress SnapKVPress's default window_size
+
+
 class SnapKVCompressor(TokenDropCompressor):
     """Score = causal softmax(q_window @ k^T * scale) summed over the W window queries and the
     q-heads of each KV group, then 1D avg/max pooling (kernel_size, stride 1, zero/-inf padding,
@@ -23,14 +27,16 @@ class SnapKVCompressor(TokenDropCompressor):
     Over a segment (compress_segment): the window is the last W queries given, those of the
     prompt's last W tokens when a prompt is folded after its prefill (the question in view),
     wherever they lie; the scores are pooled over the segment's keys, the keys inside the window
-    score +inf (kept, as kvpress pads the window with the maximum score), and the top
-    kept(layer_id, k) per KV head are kept over the whole segment.
+    score above every other key (kept, as kvpress pads the window with the maximum score; the most
+    recent first when the budget is smaller than the window), and the top kept(layer_id, k) per KV
+    head are kept over the whole segment. The segment's window is kvpress SnapKVPress's default, 64
+    queries (the SnapKV paper's is 32); a page's is 8 (window_size sets both).
     """
 
     name = "snapkv"
 
     def query_window(self, layer_id: int) -> int:
-        return min(self.config.window_size, self.config.chunk_size)
+        return min(self.config.window_size or PAGE_WINDOW, self.config.chunk_size)
 
     def select(self, layer_id, k, q, positions):
         q = self._check_q(layer_id, q, k)
@@ -44,11 +50,14 @@ class SnapKVCompressor(TokenDropCompressor):
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
         if q is None or q_positions is None or len(q) == 0:
             raise ValueError(f"{self.name}: a segment needs its observation window's queries")
-        window = min(self.config.window_size, len(q))
+        window = min(self.config.window_size or SEGMENT_WINDOW, len(q))
         q, q_positions = q[-window:], q_positions[-window:]
         scores = self.pool(attention_mass_at(q, q_positions, k, positions, self.config.scale))
         in_window = (positions >= q_positions[0]).unsqueeze(0)  # [1, S]
-        return top_k_indices(torch.where(in_window, float("inf"), scores), self.kept(layer_id, k))
+        # The window's keys first, the most recent of them first (a budget smaller than the window keeps
+        # its last tokens, as select() does); then the top-scored keys before it.
+        rank = scores.amax() + 1 + (positions - positions[0] + 1).to(scores.dtype) / len(positions)
+        return top_k_indices(torch.where(in_window, rank.unsqueeze(0), scores), self.kept(layer_id, k))
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., N] pooled along tokens."""
