@@ -29,7 +29,8 @@ VeriCache verify pass.
   and the sampler's log_softmax / logsumexp sgl_kernel_ext.batch_invariant_softmax (one program per
   row, fixed block order); `uses_triton_row_kernels` says when. On a CPU they stay torch's: the
   interpreter would run them one row-program at a time.
-- Host overhead on a CPU (a decode step is ~150 small ops per layer's worth of dispatch otherwise):
+- Host overhead on a CPU (otherwise ~50 torch ops per decoder layer, whose dispatch costs more than their
+  arithmetic at batch 1):
   RMSNorm, SiLU-and-mul and RoPE go through sgl_kernel_ext.cpu_rowwise, one call each computing the
   torch chain's bits (its mean and exp are torch's own); decoder layers with `enable_cpu_fusion`
   (models/llama.py) run their two halves around attention as one call each, the same kernels in order.
