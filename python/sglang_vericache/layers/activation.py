@@ -13,8 +13,11 @@ class SiluAndMul(nn.Module):
     """x = [gate, up] along the last dim -> silu(gate) * up."""
 
     batch_invariant = False  # set by enable_batch_invariance: batch_invariant.silu_and_mul
+    kernel = None  # set by enable_batch_invariance on a CPU: cpu_rowwise.silu_and_mul (the same bits, one call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.device.type == "cpu":
+            return self.kernel(x)
         if self.batch_invariant:
             return batch_invariant.silu_and_mul(x)
         d = x.shape[-1] // 2

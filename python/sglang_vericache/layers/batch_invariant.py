@@ -29,6 +29,11 @@ VeriCache verify pass.
   and the sampler's log_softmax / logsumexp sgl_kernel_ext.batch_invariant_softmax (one program per
   row, fixed block order); `uses_triton_row_kernels` says when. On a CPU they stay torch's: the
   interpreter would run them one row-program at a time.
+- Host overhead on a CPU (otherwise ~50 torch ops per decoder layer, whose dispatch costs more than their
+  arithmetic at batch 1):
+  RMSNorm, SiLU-and-mul and RoPE go through sgl_kernel_ext.cpu_rowwise, one call each computing the
+  torch chain's bits (its mean and exp are torch's own); decoder layers with `enable_cpu_fusion`
+  (models/llama.py) run their two halves around attention as one call each, the same kernels in order.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         if isinstance(mod, Linear):
             mod.packed = cpu_linear.pack_weight(mod.weight)
             mod.packed_bias = None if mod.bias is None else mod.bias.detach().float().contiguous()
+            mod.packed_bias_arg = torch.empty(0) if mod.packed_bias is None else mod.packed_bias
+            mod.packed_op = torch.ops.sgl_kernel_ext_linear.packed_linear
             mod.gemm_weight = mod.gemm_bias = None
             total += mod.packed.numel() * mod.packed.element_size()
             layers += 1
@@ -103,11 +110,16 @@ def enable_batch_invariance(model: torch.nn.Module, attention_backend: str = "to
     from sglang_vericache.layers.linear import Linear
 
     mode = TRITON_MODE if attention_backend == "triton" else CPU_MODE
+    rowwise = None
     if mode == CPU_MODE:
         pack_linear_layers(model)
+        from sglang_vericache.layers.rotary_embedding import use_cpu_kernel
+
+        use_cpu_kernel()  # loads sgl_kernel_ext.cpu_rowwise
+        rowwise = torch.ops.sgl_kernel_ext_rowwise  # rms_norm and silu_and_mul: the same bits as the torch chains
     if row_kernels is None:
         row_kernels = uses_triton_row_kernels(True, attention_backend, next(model.parameters(), torch.empty(0)).device)
-    norm_kernel = None
+    norm_kernel = rowwise.rms_norm if rowwise is not None else None
     if row_kernels:
         from sgl_kernel_ext.batch_invariant_rmsnorm import rms_norm as norm_kernel
     for mod in model.modules():
@@ -117,6 +129,11 @@ def enable_batch_invariance(model: torch.nn.Module, attention_backend: str = "to
             mod.batch_invariant_mode = mode if mode == TRITON_MODE else None
         elif isinstance(mod, SiluAndMul):
             mod.batch_invariant = True
+            mod.kernel = None if rowwise is None else rowwise.silu_and_mul
         elif isinstance(mod, torch.nn.Linear):
             raise TypeError(f"{type(mod).__name__} is a plain nn.Linear: use layers.linear.Linear")
+    if mode == CPU_MODE:  # decoder layers that fuse their CPU ops (models/llama.py's) turn that on
+        for mod in model.modules():
+            if callable(getattr(mod, "enable_cpu_fusion", None)):
+                mod.enable_cpu_fusion()
     return mode

@@ -17,6 +17,8 @@ class Linear(nn.Linear):
     batch_invariant_mode: tuple[str, int] | None = None  # None: F.linear; else batch_invariant.TRITON_MODE
     packed: torch.Tensor | None = None  # cpu_linear.pack_weight(weight): the CPU batch-invariant kernel's operand
     packed_bias: torch.Tensor | None = None  # the bias in float32, beside `packed`
+    packed_op = None  # the packed kernel's op, called by forward directly (set with `packed`)
+    packed_bias_arg: torch.Tensor | None = None  # packed_bias, or an empty tensor: the op's bias operand
     gemm_weight: torch.Tensor | None = None  # half_gemm: the weight in float32 (None: products in its dtype)
     gemm_bias: torch.Tensor | None = None
 
@@ -42,4 +44,6 @@ class Linear(nn.Linear):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_op is not None and x.dim() == 2:  # matmul's packed branch, without its Python layers
+            return self.packed_op(x, self.packed, self.packed_bias_arg, self.out_features, x.dtype)
         return self.matmul(x)

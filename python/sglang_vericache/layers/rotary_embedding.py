@@ -70,10 +70,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+_cpu_kernel = None  # sgl_kernel_ext.cpu_rowwise.rotary once use_cpu_kernel() ran
+
+
+def use_cpu_kernel() -> None:
+    """Rotate CPU tensors in one call (sgl_kernel_ext.cpu_rowwise.rotary: the same bits as the torch
+    ops below, which a decode step would otherwise dispatch ~14 of per layer)."""
+    global _cpu_kernel
+    from sgl_kernel_ext import cpu_rowwise
+
+    cpu_rowwise.load()
+    _cpu_kernel = torch.ops.sgl_kernel_ext_rowwise.rotary
+
+
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D] (already in q's dtype)."""
+    if (_cpu_kernel is not None and q.device.type == "cpu" and q.dim() == 3 and k.dim() == 3 and cos.dim() == 3
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.stride(-1) == 1 and k.stride(-1) == 1):
+        return _cpu_kernel(q, k, cos, sin)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

@@ -111,9 +111,36 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    fused_cpu = False  # set by enable_cpu_fusion: forward_fused
+
+    def enable_cpu_fusion(self) -> None:
+        """Called by batch_invariant.enable_batch_invariance on a CPU, once the linear layers are packed:
+        forward through forward_fused where it computes what forward does (plain RMSNorm, SiLU MLP,
+        no q / k norms, one rank)."""
+        a, mlp = self.self_attn, self.mlp
+        self.fused_cpu = (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                          and type(mlp.act_fn) is SiluAndMul and not a.qk_norm and get_tp_group().size == 1)
+
     def forward(self, hidden, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.fused_cpu and self.mlp.down_proj.packed_op is not None and hidden.device.type == "cpu" \
+                and hidden.dtype == self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype:
+            return self.forward_fused(hidden, cos, sin, forward_batch)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(self, hidden, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
+        """forward's ops in two calls around attention (sgl_kernel_ext.cpu_rowwise.llama_attn_in /
+        llama_mlp_block: the same kernels in the same order, so the same bits, without ~20 Python-level
+        calls per layer)."""
+        ops = torch.ops.sgl_kernel_ext_rowwise
+        a, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+        q, k, v, normed = ops.llama_attn_in(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
+                                            a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
+        out = a.attn(q, k, v, forward_batch, hidden=normed)
+        return ops.llama_mlp_block(hidden, out, o.packed, o.packed_bias_arg, n2.weight, n2.variance_epsilon,
+                                   gate_up.packed, gate_up.packed_bias_arg, gate_up.out_features, down.packed,
+                                   down.packed_bias_arg)
 
 
 class LlamaModel(nn.Module):

@@ -88,18 +88,18 @@ inline void vstore(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
 }
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
+// bfloat16: the 16 values as 8 32-bit words, each word's low half (features 0, 2, .., 14) shifted up
+// and its high half (1, 3, .., 15) masked: lo holds the even features, hi the odd ones (one load and
+// two ALU ops, no shuffles); vstore_e<BF16> puts them back in order. Each lane is still one feature.
 template <int E>
 inline V16 vload(const void* p) {
   if constexpr (E == F32) {
     const float* f = static_cast<const float*>(p);
     return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
   } else if constexpr (E == BF16) {
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    return {bf16x8(h), bf16x8(h + 8)};
+    const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
   } else {
     const __m128i* h = static_cast<const __m128i*>(p);
     return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
@@ -139,6 +139,20 @@ inline V16 vload(const void* p) {
 constexpr int VREGS = 8;
 #endif
 
+// A V16 of panel lanes in feature order: vload's lanes are, except AVX2's bfloat16 (even | odd features).
+template <int E>
+inline void vstore_e(float* p, V16 a) {
+#if defined(LIN_AVX2)
+  if constexpr (E == BF16) {
+    const __m256 lo = _mm256_unpacklo_ps(a.lo, a.hi), hi = _mm256_unpackhi_ps(a.lo, a.hi);
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    return;
+  }
+#endif
+  vstore(p, a);
+}
+
 template <int E>
 constexpr int64_t elem_size() {
   return E == F32 ? 4 : 2;
@@ -170,7 +184,7 @@ void micro(const float* __restrict x, int64_t ldx, const char* __restrict w, int
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int p = 0; p < NPAN; ++p) vstore(out + (r * NPAN + p) * NR, acc[r][p]);
+    for (int p = 0; p < NPAN; ++p) vstore_e<E>(out + (r * NPAN + p) * NR, acc[r][p]);
 }
 
 using MicroFn = void (*)(const float*, int64_t, const char*, int64_t, int64_t, float*);
