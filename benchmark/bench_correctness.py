@@ -205,7 +205,7 @@ def table(report: dict) -> str:
         f"parallel_tool_calls {a.get('parallel_tool_calls', True)}, parser {a['tool_call_parser']}, at most "
         f"{a['tool_max_tokens']} tokens). VeriCache rounds: "
         f"schedule {a['vericache_schedule']}, X = {a['draft_tokens']}; page {a['page_size']}. Full mode runs "
-        "with --enable-deterministic-inference (lossy and VeriCache have it on by default on a CPU). Each mode "
+        "with deterministic inference (on by default in every mode). Each mode "
         "is one in-process scheduler given every request at once; `seconds`: its wall time for all of them.", "",
         "`first divergence`: mean token index where an output first differs from full mode's, over the "
         "outputs that differ. `spec rounds`: VeriCache rounds (draft, then verify) over both workloads; `tokens/round`: tokens emitted "
