@@ -48,7 +48,7 @@ def prompts_of(tok, lengths: list[int]) -> list[list[int]]:
 
 def outputs(server: dict, prompts: list[list[int]], new: int, sampling: str) -> tuple[list[tuple], dict, float]:
     """(tokens, logprobs) per prompt, the scheduler's VeriCache counters, seconds."""
-    total = sum(len(p) + new for p in prompts) + 64 * len(prompts)
+    total = sum(len(p) + new for p in prompts) + 64 * len(prompts) + 4096  # + kvzip's replay scratch
     sched = Scheduler(ServerArgs(skip_tokenizer_init=True, max_total_tokens=total,
                                  max_running_requests=len(prompts), **server))
     reqs = [make_request(f"t{i}", ids, return_logprob=True, max_new_tokens=new, ignore_eos=True, seed=1000 + i,

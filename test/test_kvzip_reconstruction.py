@@ -196,3 +196,6 @@ def test_segment_scope_has_room_for_a_chunks_replay_past_the_context(qwen2):
     rec, mr = sched.two_tier.reconstruction, sched.model_runner
     assert rec.chunk_tokens == 2048 and sched.two_tier.segment_scope
     assert mr.req_to_token_pool.max_context_len - mr.model_config.context_len >= rec.max_rows
+    # The replay's scratch slots are not the requests': the limits follow (a prompt that cannot fit is refused).
+    assert len(rec.scratch) == rec.max_rows
+    assert sched.max_total_num_tokens == mr.max_total_num_tokens - rec.max_rows

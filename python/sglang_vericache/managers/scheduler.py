@@ -82,6 +82,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
                 self.two_tier.reconstruction = reconstruction_for(server_args, self.model_runner, self.page_size,
                                                                   comp.config.num_sink_tokens,
                                                                   self.two_tier.segment_scope)
+                # Its scratch KV slots are the pass's own: requests get the rest (max_req_len follows).
+                self.max_total_num_tokens -= len(self.two_tier.reconstruction.scratch)
             if server_args.disagg_prefill == "verifier":  # remote prefix caching: compressed pages alone
                 from sglang_vericache.mem_cache.compressed_prefix_cache import CompressedPrefixCache as TreeCls
             else:
