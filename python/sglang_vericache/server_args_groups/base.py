@@ -35,6 +35,13 @@ class ArgsGroup:
     def add_cli_args(cls, add: Callable[..., argparse.Action]) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def flag(cls, add: Callable[..., argparse.Action], name: str, type: Callable[[str], Any],
+             **kwargs: Any) -> argparse.Action:
+        """Adds the flag of the field `name` (--NAME, dashes for underscores) of `type`, whose default
+        is the field's; kwargs (help, choices, nargs) go to add as they are."""
+        return add("--" + name.replace("_", "-"), type=type, default=cls.default(name), **kwargs)
+
     def check(self) -> None:
         """Raises ValueError naming the flag of a bad value of this group's fields (it may fill in a
         derived default, e.g. --kv-store-path)."""

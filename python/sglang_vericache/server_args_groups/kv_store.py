@@ -47,26 +47,26 @@ class KVStoreArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--kv-store", type=str, default=cls.default("kv_store"), choices=KV_STORE_KINDS,
+        cls.flag(add, "kv_store", str, choices=KV_STORE_KINDS,
             help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
                  "directory on this host), redis (a Redis server), none. Store trouble never fails a "
                  "request: the prefix is recomputed.")
-        add("--kv-store-path", type=str, default=None,
+        cls.flag(add, "kv_store_path", str,
             help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
                  "/sglang-vericache/kv-store).")
-        add("--kv-store-url", type=str, default=cls.default("kv_store_url"),
+        cls.flag(add, "kv_store_url", str,
             help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or "
                  "unix://PATH.")
-        add("--kv-store-capacity", type=str, default=None,
+        cls.flag(add, "kv_store_capacity", str,
             help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
                  "Default: unlimited.")
-        add("--kv-store-bandwidth", type=str, default=None,
+        cls.flag(add, "kv_store_bandwidth", str,
             help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
                  "between this instance and the store. Default: unthrottled.")
-        add("--kv-store-timeout", type=float, default=cls.default("kv_store_timeout"),
+        cls.flag(add, "kv_store_timeout", float,
             help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
                  "with a warning, and retried later).")
-        add("--kv-store-tiers", type=str, default=cls.default("kv_store_tiers"), choices=KV_STORE_TIERS,
+        cls.flag(add, "kv_store_tiers", str, choices=KV_STORE_TIERS,
             help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
                  "both in lossy and VeriCache modes).")
 

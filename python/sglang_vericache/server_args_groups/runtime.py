@@ -31,7 +31,7 @@ class KernelArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--attention-backend", type=str, default=cls.default("attention_backend"),
+        cls.flag(add, "attention_backend", str,
             help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
                  "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
         add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
@@ -49,9 +49,9 @@ class KernelArgs(ArgsGroup):
                  "library matrix products (and CUDA graphs), faster on some machines, but outputs may then "
                  "change with batch composition and VeriCache / lossy output need not equal full mode's (a "
                  "startup warning says so).")
-        add("--num-threads", type=int, default=None,
+        cls.flag(add, "num_threads", int,
             help="torch intra-op threads in the scheduler process (default: torch's, one per core).")
-        add("--cpu-half-gemm", type=str, default=cls.default("cpu_half_gemm"), choices=("auto", "native", "float32"),
+        cls.flag(add, "cpu_half_gemm", str, choices=("auto", "native", "float32"),
             help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
                  "native (torch's half GEMM); float32 (each weight also kept in float32, 4 more bytes per "
                  "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x "
@@ -62,7 +62,7 @@ class KernelArgs(ArgsGroup):
             help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
                  "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
                  "and replayed (batches padded up to the next captured size).")
-        add("--cuda-graph-max-bs", type=int, default=None,
+        cls.flag(add, "cuda_graph_max_bs", int,
             help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
                  "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
         add("--cuda-graph-bs", type=int, nargs="+", default=None,
@@ -127,12 +127,11 @@ class LoggingArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--log-level", type=str, default=cls.default("log_level"),
-            help=f"Logging level: {', '.join(LOG_LEVELS)}.")
+        cls.flag(add, "log_level", str, help=f"Logging level: {', '.join(LOG_LEVELS)}.")
         add("--log-requests", action="store_true",
             help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
                  "(tokens, finish reason, text).")
-        add("--decode-log-interval", type=int, default=cls.default("decode_log_interval"),
+        cls.flag(add, "decode_log_interval", int,
             help="Decode iterations between the scheduler's \"Decode batch.\" log lines (running and waiting "
                  "requests, KV use of each tier, generation throughput); each prefill batch logs a "
                  "\"Prefill batch.\" line. Shown at --log-level info.")
