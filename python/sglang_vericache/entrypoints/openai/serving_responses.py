@@ -41,8 +41,19 @@ if TYPE_CHECKING:
     from sglang_vericache.managers.tokenizer_manager import TokenizerManager
 
 
+# Request fields a chat completion takes under the same name (sampling knobs), and those the response
+# echoes back as they are.
+_CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs")
+_ECHOED_FIELDS = ("tool_choice", "tools", "instructions", "max_output_tokens", "temperature", "top_p", "metadata")
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _fields(req: ResponsesRequest, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(req, name) for name in names}
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -133,20 +144,11 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         model=req.model or "",
         messages=_messages(req),
         max_completion_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty,
-        stop=req.stop,
         tools=tools,
         tool_choice=choice if tools else "none",
-        parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req),
-        chat_template_kwargs=req.chat_template_kwargs,
         stream=bool(req.stream),
+        **_fields(req, _CHAT_FIELDS),
     )
 
 
@@ -207,15 +209,9 @@ class _Job:
             incomplete_details=incomplete,
             usage=usage,
             parallel_tool_calls=bool(req.parallel_tool_calls),
-            tool_choice=req.tool_choice,
-            tools=req.tools,
-            instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
             store=False,
-            metadata=req.metadata,
             text={"format": {"type": "text"}} if req.text is None else req.text.model_dump(),
+            **_fields(req, _ECHOED_FIELDS),
         )
 
     def final_items(self, text: str, thought: str | None) -> list:
