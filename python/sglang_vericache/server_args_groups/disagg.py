@@ -59,8 +59,7 @@ class DisaggArgs(ArgsGroup):
     def check(self) -> None:
         """What each role needs, and what it cannot combine with."""
         role = self.disagg_role
-        if role not in DISAGG_ROLES:
-            raise ValueError(f"--disagg-role must be one of {', '.join(DISAGG_ROLES)}, got {role!r}")
+        self.check_choice("disagg_role", DISAGG_ROLES)
         if not self.disagg_timeout > 0:
             raise ValueError(f"--disagg-timeout must be > 0 seconds, got {self.disagg_timeout}")
         if self.verifier_addr is not None and role != "drafter":
@@ -74,9 +73,7 @@ class DisaggArgs(ArgsGroup):
                 raise ValueError("--disagg-secret is for --disagg-role drafter or verifier")
             if not self.disagg_secret:
                 raise ValueError("--disagg-secret must not be empty")
-        if self.disagg_prefill not in DISAGG_PREFILLS:
-            raise ValueError(f"--disagg-prefill must be one of {', '.join(DISAGG_PREFILLS)}, "
-                             f"got {self.disagg_prefill!r}")
+        self.check_choice("disagg_prefill", DISAGG_PREFILLS)
         if self.disagg_bandwidth is not None:
             if role != "drafter":
                 raise ValueError("--disagg-bandwidth is for --disagg-role drafter")

@@ -42,8 +42,7 @@ class HttpArgs(ArgsGroup):
                  "of a large model can take minutes.")
 
     def check(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        self.check_at_least("stream_interval")
         if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
 

@@ -137,8 +137,7 @@ class KVModeArgs(ArgsGroup):
             raise ValueError("--exact-kv-pool host is for the two-tier modes (VeriCache, lossy): full mode's "
                              "exact KV is its accelerator tier (--kv-offload is the full-mode offload "
                              "baseline)")
-        if self.exact_kv_cache_tokens is not None and self.exact_kv_cache_tokens < 1:
-            raise ValueError(f"--exact-kv-cache-tokens must be >= 1, got {self.exact_kv_cache_tokens}")
+        self.check_at_least("exact_kv_cache_tokens")
         if self.kv_offload and self.kv_mode != "full":
             raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have "
                              "tiers")

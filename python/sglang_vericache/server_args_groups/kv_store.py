@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
 
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
@@ -85,10 +85,8 @@ class KVStoreArgs(ArgsGroup):
         return ("exact", "compressed") if tiers == "both" else (tiers,)
 
     def check(self) -> None:
-        if self.kv_store not in KV_STORE_KINDS:
-            raise ValueError(f"--kv-store must be one of {', '.join(KV_STORE_KINDS)}, got {self.kv_store!r}")
-        if self.kv_store_tiers not in KV_STORE_TIERS:
-            raise ValueError(f"--kv-store-tiers must be one of {', '.join(KV_STORE_TIERS)}, got {self.kv_store_tiers!r}")
+        self.check_choice("kv_store", KV_STORE_KINDS)
+        self.check_choice("kv_store_tiers", KV_STORE_TIERS)
         if self.kv_store_path is not None and self.kv_store != "file":
             raise ValueError(f"--kv-store-path is for --kv-store file (got --kv-store {self.kv_store})")
         if self.kv_store == "none":
@@ -99,8 +97,8 @@ class KVStoreArgs(ArgsGroup):
             check_redis_url(self.kv_store_url)
         for name in ("kv_store_capacity", "kv_store_bandwidth"):
             value = getattr(self, name)
-            if value is not None and parse_bytes(value, "--" + name.replace("_", "-")) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+            if value is not None and parse_bytes(value, flag_of(name)) <= 0:
+                raise ValueError(f"{flag_of(name)} must be > 0, got {value!r}")
         if not self.kv_store_timeout > 0:
             raise ValueError(f"--kv-store-timeout must be > 0 seconds, got {self.kv_store_timeout}")
         if self.kv_mode == "full" and self.kv_store_tiers in ("compressed", "both"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -64,21 +64,17 @@ class MemoryArgs(ArgsGroup):
                  "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
 
     def check(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        self.check_at_least("page_size")
         for name in ("device_kv_budget", "host_kv_budget"):
             if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), "--" + name.replace("_", "-"))
+                parse_bytes(getattr(self, name), flag_of(name))
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        self.check_at_least("max_running_requests")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError(
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size})"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
-                             f"got {self.schedule_policy!r}")
+        self.check_choice("schedule_policy", SCHEDULE_POLICIES)

@@ -65,8 +65,7 @@ class ParallelArgs(ArgsGroup):
 
     def check(self) -> None:
         self.check_tensor_parallel()
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        self.check_at_least("dp_size")
         if self.dp_size > 1 and self.disagg_role == "verifier":
             raise ValueError("--dp-size with --disagg-role verifier: a verifier serves no HTTP for a router; "
                              "start one verifier process per drafter instead")

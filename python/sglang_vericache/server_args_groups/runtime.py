@@ -83,10 +83,8 @@ class KernelArgs(ArgsGroup):
             self.check_deterministic_backend()
         if self.cpu_half_gemm not in ("auto", "native", "float32"):
             raise ValueError(f"--cpu-half-gemm must be auto, native or float32, got {self.cpu_half_gemm!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        self.check_at_least("num_threads")
+        self.check_at_least("cuda_graph_max_bs")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError(f"--cuda-graph-bs must be batch sizes >= 1, got {self.cuda_graph_bs}")
 
@@ -142,8 +140,7 @@ class LoggingArgs(ArgsGroup):
     def check(self) -> None:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.decode_log_interval < 1:
-            raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        self.check_at_least("decode_log_interval")
 
     def log_notes(self) -> None:
         if self.enable_metrics:

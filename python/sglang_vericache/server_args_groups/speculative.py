@@ -105,8 +105,7 @@ class SpeculativeArgs(ArgsGroup):
         if self.vericache_schedule not in VERICACHE_SCHEDULES:
             raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
                              f"{self.vericache_schedule!r}")
-        if self.verify_staging_tokens < 1:
-            raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
+        self.check_at_least("verify_staging_tokens")
         parse_draft_tokens(self.speculative_num_draft_tokens)
 
     @property
