@@ -312,6 +312,11 @@ async def stream_events(job: _Job, gen, first: dict) -> AsyncIterator[bytes]:
         open_kind = kind
         return lines
 
+    def delta_events(kind: str, name: str, text: str, **extra: Any) -> list[bytes]:
+        """The event `name` adding text to the open `kind` item, the item opened first if need be."""
+        lines = open_item(kind) if open_kind != kind else []
+        return lines + [event(name, item_id=item.id, output_index=len(output), content_index=0, delta=text, **extra)]
+
     try:
         yield event("response.created", response=job.response([], "in_progress").model_dump())
         yield event("response.in_progress", response=job.response([], "in_progress").model_dump())
@@ -323,30 +328,13 @@ async def stream_events(job: _Job, gen, first: dict) -> AsyncIterator[bytes]:
             if reasoning is not None:
                 think, delta = split_stream_delta(reasoning, delta, final)
             if think:
-                if open_kind != "reasoning":
-                    for line in open_item("reasoning"):
-                        yield line
                 thought += think
-                yield event(
-                    "response.reasoning_text.delta",
-                    item_id=item.id,
-                    output_index=len(output),
-                    content_index=0,
-                    delta=think,
-                )
+                for line in delta_events("reasoning", "response.reasoning_text.delta", think):
+                    yield line
             text += delta
             if delta and job.plan is None:
-                if open_kind != "message":
-                    for line in open_item("message"):
-                        yield line
-                yield event(
-                    "response.output_text.delta",
-                    item_id=item.id,
-                    output_index=len(output),
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
+                for line in delta_events("message", "response.output_text.delta", delta, logprobs=[]):
+                    yield line
             if final:
                 break
             try:
