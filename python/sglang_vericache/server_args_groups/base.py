@@ -18,6 +18,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 
+def flag_of(name: str) -> str:
+    """A field's flag: kv_store_path -> --kv-store-path."""
+    return "--" + name.replace("_", "-")
+
+
 class ArgsGroup:
     TITLE: ClassVar[str]  # the --help section's title
     DESCRIPTION: ClassVar[str | None] = None
@@ -35,9 +40,31 @@ class ArgsGroup:
     def add_cli_args(cls, add: Callable[..., argparse.Action]) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def flag(cls, add: Callable[..., argparse.Action], name: str, type: Callable[[str], Any],
+             **kwargs: Any) -> argparse.Action:
+        """Adds the flag of the field `name` (--NAME, dashes for underscores) of `type`, whose default
+        is the field's; kwargs (help, choices, nargs) go to add as they are."""
+        return add(flag_of(name), type=type, default=cls.default(name), **kwargs)
+
     def check(self) -> None:
         """Raises ValueError naming the flag of a bad value of this group's fields (it may fill in a
         derived default, e.g. --kv-store-path)."""
+
+    def check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        """Raises ValueError naming --NAME unless the field `name` is one of choices."""
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}, got {value!r}")
+
+    def check_at_least(self, name: str, least: int = 1) -> None:
+        """Raises ValueError naming --NAME unless the field `name` is >= least (or None, where None is
+        the field's default: unset)."""
+        value = getattr(self, name)
+        if value is None and self.default(name) is None:
+            return
+        if value < least:
+            raise ValueError(f"{flag_of(name)} must be >= {least}, got {value}")
 
     def warnings(self) -> list[str]:
         """This group's flags given a value that has no effect with the rest of the command line."""

@@ -27,40 +27,39 @@ class DisaggArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--disagg-role", type=str, default=cls.default("disagg_role"), choices=DISAGG_ROLES,
+        cls.flag(add, "disagg_role", str, choices=DISAGG_ROLES,
             help="Dual-instance VeriCache: 'drafter' serves clients and drafts over compressed KV, verifying "
                  "on the verifier at --verifier-addr; 'verifier' holds exact KV and verifies drafters' runs "
                  "(no HTTP server; listens on --host:--disagg-port). Start the verifier first.")
-        add("--verifier-addr", type=str, default=None,
+        cls.flag(add, "verifier_addr", str,
             help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT (required with --disagg-role drafter; "
                  "default: none).")
-        add("--disagg-port", type=int, default=None,
+        cls.flag(add, "disagg_port", int,
             help="Verifier: the TCP port drafters connect to (required with --disagg-role verifier; default: "
                  "none).")
-        add("--disagg-prefill", type=str, default=cls.default("disagg_prefill"), choices=DISAGG_PREFILLS,
+        cls.flag(add, "disagg_prefill", str, choices=DISAGG_PREFILLS,
             help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
                  "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the "
                  "prompt's prefix (from its cache or --kv-store, over its slow link); the verifier loads the "
                  "exact prefix from its own store, prefills the rest, and returns the first token and the "
                  "exact KV of the positions past the drafter's compressed pages.")
-        add("--disagg-bandwidth", type=str, default=None,
+        cls.flag(add, "disagg_bandwidth", str,
             help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
                  "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
                  "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
-        add("--disagg-secret", type=str, default=None,
+        cls.flag(add, "disagg_secret", str,
             help="Drafter and verifier: a shared secret; every frame between them then carries an "
                  "HMAC-SHA256 under it, and frames without a valid one are dropped. Default: "
                  "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
                  "unauthenticated (the verifier then warns; keep its --host on loopback).")
-        add("--disagg-timeout", type=float, default=cls.default("disagg_timeout"),
+        cls.flag(add, "disagg_timeout", float,
             help="Seconds without an answer before the drafter fails the requests the verifier held (and "
                  "without a message before the verifier drops a drafter's sessions).")
 
     def check(self) -> None:
         """What each role needs, and what it cannot combine with."""
         role = self.disagg_role
-        if role not in DISAGG_ROLES:
-            raise ValueError(f"--disagg-role must be one of {', '.join(DISAGG_ROLES)}, got {role!r}")
+        self.check_choice("disagg_role", DISAGG_ROLES)
         if not self.disagg_timeout > 0:
             raise ValueError(f"--disagg-timeout must be > 0 seconds, got {self.disagg_timeout}")
         if self.verifier_addr is not None and role != "drafter":
@@ -74,9 +73,7 @@ class DisaggArgs(ArgsGroup):
                 raise ValueError("--disagg-secret is for --disagg-role drafter or verifier")
             if not self.disagg_secret:
                 raise ValueError("--disagg-secret must not be empty")
-        if self.disagg_prefill not in DISAGG_PREFILLS:
-            raise ValueError(f"--disagg-prefill must be one of {', '.join(DISAGG_PREFILLS)}, "
-                             f"got {self.disagg_prefill!r}")
+        self.check_choice("disagg_prefill", DISAGG_PREFILLS)
         if self.disagg_bandwidth is not None:
             if role != "drafter":
                 raise ValueError("--disagg-bandwidth is for --disagg-role drafter")

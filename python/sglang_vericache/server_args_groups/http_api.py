@@ -25,25 +25,24 @@ class HttpArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--host", type=str, default=cls.default("host"), help="HTTP host to bind.")
-        add("--port", type=int, default=cls.default("port"), help="HTTP port to bind.")
-        add("--api-key", type=str, default=None,
+        cls.flag(add, "host", str, help="HTTP host to bind.")
+        cls.flag(add, "port", int, help="HTTP port to bind.")
+        cls.flag(add, "api_key", str,
             help="Require 'Authorization: Bearer KEY' on every request (/health and /metrics stay open). "
                  "Default: no key.")
-        add("--served-model-name", type=str, default=None,
+        cls.flag(add, "served_model_name", str,
             help="Model name reported by /v1/models (default: --model-path).")
-        add("--stream-interval", type=int, default=cls.default("stream_interval"),
+        cls.flag(add, "stream_interval", int,
             help="Output tokens per streaming event (the first token and the finish are always sent at "
                  "once).")
-        add("--watchdog-timeout", type=float, default=None,
+        cls.flag(add, "watchdog_timeout", float,
             help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
                  "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
                  "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
                  "of a large model can take minutes.")
 
     def check(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        self.check_at_least("stream_interval")
         if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
 
@@ -69,21 +68,21 @@ class ApiArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--chat-template", type=str, default=None,
+        cls.flag(add, "chat_template", str,
             help="A Jinja chat template file that overrides the tokenizer's own (default: the tokenizer's).")
-        add("--tool-call-parser", type=str, default=None,
+        cls.flag(add, "tool_call_parser", str,
             help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, "
                  "...). Default: none (tool calls are not parsed out of the text).")
-        add("--reasoning-parser", type=str, default=None,
+        cls.flag(add, "reasoning_parser", str,
             help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
                  "thinking as message.reasoning_content, apart from content (and in stream deltas). Default: "
                  "none (thinking stays in content).")
-        add("--sampling-defaults", type=str, default=cls.default("sampling_defaults"), choices=("openai", "model"),
+        cls.flag(add, "sampling_defaults", str, choices=("openai", "model"),
             help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / "
                  "repetition_penalty unset gets: model: the checkpoint's generation_config.json (for the "
                  "default model, its model card's temperature 0.2, top_p 0.9), else OpenAI's; openai: "
                  "OpenAI's (temperature 1, top_p 1).")
-        add("--random-seed", type=int, default=cls.default("random_seed"),
+        cls.flag(add, "random_seed", int,
             help="Seed for the server's random choices (seeds of unseeded requests).")
         add("--enable-cache-report", action="store_true",
             help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")

@@ -78,40 +78,40 @@ class KVModeArgs(ArgsGroup):
                  "(= --kv-compressor with --speculative-algorithm VERICACHE). lossy and vericache need "
                  "--kv-compressor. Default: full, or what --kv-compressor / --speculative-algorithm / "
                  "--kv-offload imply.")
-        add("--kv-compressor", type=str, default=None,
+        cls.flag(add, "kv_compressor", str,
             help=f"KV compressor for the compressed tier: a token dropper ({', '.join(TOKEN_DROPPING)}), a "
                  f"quantizer ({', '.join(QUANTIZING)}), or DROP+QUANT (e.g. snapkv+kivi4). Alone it serves "
                  "from compressed KV (lossy); with --speculative-algorithm VERICACHE it drafts from it and "
                  "verifies against exact KV. Default: none (full mode).")
-        add("--kv-compression-ratio", type=float, default=cls.default("kv_compression_ratio"),
+        cls.flag(add, "kv_compression_ratio", float,
             help="Compression ratio of token-dropping compressors. Quantizers have the ratio of their bit "
                  "width: with them this flag has no effect (a warning says so).")
-        add("--kv-compress-scope", type=str, default=cls.default("kv_compress_scope"),
+        cls.flag(add, "kv_compress_scope", str,
             choices=("auto", "page", "segment"),
             help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's "
                  "tokens) or segment (a prompt's whole pages after its prefill, with its last queries in "
                  "view, and generated tokens in segments past an exact recent window; one budget over the "
                  "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
                  "dual-instance role or --speculative-ngram; page otherwise.")
-        add("--kv-compress-segment-tokens", type=int, default=cls.default("kv_compress_segment_tokens"),
+        cls.flag(add, "kv_compress_segment_tokens", int,
             help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
                  "most 32767).")
-        add("--kv-recent-window", type=int, default=cls.default("kv_recent_window"),
+        cls.flag(add, "kv_recent_window", int,
             help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
                  "folded as one segment, leaving this many exact.")
         add("--kv-offload", action="store_true",
             help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
                  "(= --kv-mode offload).")
-        add("--exact-kv-pool", type=str, default=cls.default("exact_kv_pool"), choices=["device", "host"],
+        cls.flag(add, "exact_kv_pool", str, choices=["device", "host"],
             help="VeriCache and lossy modes: where the exact KV pool lives. device: accelerator memory "
                  "(which requests count as resident is accounting); host: host memory (page-locked on CUDA), "
                  "every committed token written through to it, forwards reading exact KV through an "
                  "accelerator page cache (--exact-kv-cache-tokens) that keeps resident requests' pages and "
                  "the others' tail pages.")
-        add("--exact-kv-cache-tokens", type=int, default=None,
+        cls.flag(add, "exact_kv_cache_tokens", int,
             help="With --exact-kv-pool host: tokens of exact KV the accelerator's page cache holds (default: "
                  "what --device-kv-budget holds of it, else the whole pool).")
-        add("--link-bandwidth", type=str, default=None,
+        cls.flag(add, "link_bandwidth", str,
             help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
                  "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: "
                  "unthrottled. With --tp-size, each rank has its own link (its KV heads' bytes).")
@@ -137,8 +137,7 @@ class KVModeArgs(ArgsGroup):
             raise ValueError("--exact-kv-pool host is for the two-tier modes (VeriCache, lossy): full mode's "
                              "exact KV is its accelerator tier (--kv-offload is the full-mode offload "
                              "baseline)")
-        if self.exact_kv_cache_tokens is not None and self.exact_kv_cache_tokens < 1:
-            raise ValueError(f"--exact-kv-cache-tokens must be >= 1, got {self.exact_kv_cache_tokens}")
+        self.check_at_least("exact_kv_cache_tokens")
         if self.kv_offload and self.kv_mode != "full":
             raise ValueError("--kv-offload is the full-KV offload baseline; VeriCache and lossy modes have "
                              "tiers")

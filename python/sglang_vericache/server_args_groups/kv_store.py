@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
 
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
@@ -47,26 +47,26 @@ class KVStoreArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--kv-store", type=str, default=cls.default("kv_store"), choices=KV_STORE_KINDS,
+        cls.flag(add, "kv_store", str, choices=KV_STORE_KINDS,
             help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
                  "directory on this host), redis (a Redis server), none. Store trouble never fails a "
                  "request: the prefix is recomputed.")
-        add("--kv-store-path", type=str, default=None,
+        cls.flag(add, "kv_store_path", str,
             help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
                  "/sglang-vericache/kv-store).")
-        add("--kv-store-url", type=str, default=cls.default("kv_store_url"),
+        cls.flag(add, "kv_store_url", str,
             help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or "
                  "unix://PATH.")
-        add("--kv-store-capacity", type=str, default=None,
+        cls.flag(add, "kv_store_capacity", str,
             help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
                  "Default: unlimited.")
-        add("--kv-store-bandwidth", type=str, default=None,
+        cls.flag(add, "kv_store_bandwidth", str,
             help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
                  "between this instance and the store. Default: unthrottled.")
-        add("--kv-store-timeout", type=float, default=cls.default("kv_store_timeout"),
+        cls.flag(add, "kv_store_timeout", float,
             help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
                  "with a warning, and retried later).")
-        add("--kv-store-tiers", type=str, default=cls.default("kv_store_tiers"), choices=KV_STORE_TIERS,
+        cls.flag(add, "kv_store_tiers", str, choices=KV_STORE_TIERS,
             help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
                  "both in lossy and VeriCache modes).")
 
@@ -85,10 +85,8 @@ class KVStoreArgs(ArgsGroup):
         return ("exact", "compressed") if tiers == "both" else (tiers,)
 
     def check(self) -> None:
-        if self.kv_store not in KV_STORE_KINDS:
-            raise ValueError(f"--kv-store must be one of {', '.join(KV_STORE_KINDS)}, got {self.kv_store!r}")
-        if self.kv_store_tiers not in KV_STORE_TIERS:
-            raise ValueError(f"--kv-store-tiers must be one of {', '.join(KV_STORE_TIERS)}, got {self.kv_store_tiers!r}")
+        self.check_choice("kv_store", KV_STORE_KINDS)
+        self.check_choice("kv_store_tiers", KV_STORE_TIERS)
         if self.kv_store_path is not None and self.kv_store != "file":
             raise ValueError(f"--kv-store-path is for --kv-store file (got --kv-store {self.kv_store})")
         if self.kv_store == "none":
@@ -99,8 +97,8 @@ class KVStoreArgs(ArgsGroup):
             check_redis_url(self.kv_store_url)
         for name in ("kv_store_capacity", "kv_store_bandwidth"):
             value = getattr(self, name)
-            if value is not None and parse_bytes(value, "--" + name.replace("_", "-")) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+            if value is not None and parse_bytes(value, flag_of(name)) <= 0:
+                raise ValueError(f"{flag_of(name)} must be > 0, got {value!r}")
         if not self.kv_store_timeout > 0:
             raise ValueError(f"--kv-store-timeout must be > 0 seconds, got {self.kv_store_timeout}")
         if self.kv_mode == "full" and self.kv_store_tiers in ("compressed", "both"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -37,50 +37,44 @@ class MemoryArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--page-size", type=int, default=cls.default("page_size"), help="Tokens per KV-cache page.")
-        add("--max-total-tokens", type=int, default=None,
+        cls.flag(add, "page_size", int, help="Tokens per KV-cache page.")
+        cls.flag(add, "max_total_tokens", int,
             help="Token slots in the exact KV pool (default: from --device-kv-budget in full mode or "
                  "--host-kv-budget in two-tier modes, else a quarter of free RAM, at most 131072).")
-        add("--device-kv-budget", type=str, default=None,
+        cls.flag(add, "device_kv_budget", str,
             help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
                  "keep the compressed tier, exact tails and verification staging here. Per rank with "
                  "--tp-size. Default: none (full mode: see --max-total-tokens; two-tier modes: what "
                  "--mem-fraction-static leaves after the weights, else twice the exact pool's pages).")
-        add("--host-kv-budget", type=str, default=None,
+        cls.flag(add, "host_kv_budget", str,
             help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB). Per rank with --tp-size. "
                  "Default: none (see --max-total-tokens).")
-        add("--mem-fraction-static", type=float, default=None,
+        cls.flag(add, "mem_fraction_static", float,
             help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
                  "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "
                  "full mode, the compressed tier in two-tier modes). --max-total-tokens and "
                  "--device-kv-budget take precedence. Default: a quarter of the memory free after loading.")
-        add("--max-running-requests", type=int, default=cls.default("max_running_requests"),
-            help="Most requests decoding at once.")
-        add("--chunked-prefill-size", type=int, default=cls.default("chunked_prefill_size"),
+        cls.flag(add, "max_running_requests", int, help="Most requests decoding at once.")
+        cls.flag(add, "chunked_prefill_size", int,
             help="Most prompt tokens one request prefills per forward pass (longer prompts are chunked).")
-        add("--max-prefill-tokens", type=int, default=cls.default("max_prefill_tokens"),
-            help="Most prompt tokens in one prefill batch.")
+        cls.flag(add, "max_prefill_tokens", int, help="Most prompt tokens in one prefill batch.")
         add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
-        add("--schedule-policy", type=str, default=cls.default("schedule_policy"), choices=SCHEDULE_POLICIES,
+        cls.flag(add, "schedule_policy", str, choices=SCHEDULE_POLICIES,
             help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
                  "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
 
     def check(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        self.check_at_least("page_size")
         for name in ("device_kv_budget", "host_kv_budget"):
             if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), "--" + name.replace("_", "-"))
+                parse_bytes(getattr(self, name), flag_of(name))
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        self.check_at_least("max_running_requests")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError(
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size})"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least two pages, got {self.max_total_tokens}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
-                             f"got {self.schedule_policy!r}")
+        self.check_choice("schedule_policy", SCHEDULE_POLICIES)

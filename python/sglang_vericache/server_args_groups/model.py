@@ -38,9 +38,8 @@ class ModelArgs(ArgsGroup):
                  "come from the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: "
                  "SmolLM2-135M-Instruct (a GGUF file), fetched by scripts/setup_cpu.sh into "
                  "~/.cache/sglang_vericache/models.")
-        add("--tokenizer-path", type=str, default=None,
-            help="Tokenizer folder or GGUF file (default: --model-path).")
-        add("--load-format", type=str, default=cls.default("load_format"), choices=LOAD_FORMATS,
+        cls.flag(add, "tokenizer_path", str, help="Tokenizer folder or GGUF file (default: --model-path).")
+        cls.flag(add, "load_format", str, choices=LOAD_FORMATS,
             help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a "
                  "GGUF file into --dtype; auto is whichever --model-path holds; dummy draws seeded random "
                  "weights from the config alone (--random-seed), to benchmark a model's shape without its "
@@ -49,21 +48,21 @@ class ModelArgs(ArgsGroup):
             help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
         add("--trust-remote-code", action="store_true",
             help="Let transformers run code shipped with the model folder's config or tokenizer.")
-        add("--context-length", type=int, default=None,
+        cls.flag(add, "context_length", int,
             help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")
-        add("--dtype", type=str, default=cls.default("dtype"), choices=DTYPES,
+        cls.flag(add, "dtype", str, choices=DTYPES,
             help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 "
                  "checkpoints; for GGUF: float32 if every weight is stored F32, else bfloat16).")
-        add("--kv-cache-dtype", type=str, default=cls.default("kv_cache_dtype"), choices=DTYPES,
+        cls.flag(add, "kv_cache_dtype", str, choices=DTYPES,
             help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
                  "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every "
                  "mode (full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to "
                  "full.")
-        add("--quantization", type=str, default=None,
+        cls.flag(add, "quantization", str,
             help="Weight quantization, SGLang's flag: gguf (the weights of a GGUF --model-path, dequantized "
                  "into --dtype when loaded; implies --load-format gguf). Any other value is refused with an "
                  "error (quantized KV: --kv-compressor). Default: none (the checkpoint's own weights).")
-        add("--device", type=str, default=cls.default("device"), help="Device to run on: cpu or cuda.")
+        cls.flag(add, "device", str, help="Device to run on: cpu or cuda.")
 
     def check(self) -> None:
         if self.load_format not in LOAD_FORMATS:

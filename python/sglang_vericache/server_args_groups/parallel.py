@@ -40,16 +40,16 @@ class ParallelArgs(ArgsGroup):
             help="Tensor parallel size: the model's attention heads (and both KV tiers, by KV head), MLP and "
                  "vocabulary are split over this many scheduler processes, one per rank (gloo on a CPU, NCCL "
                  "on CUDA: rank r on cuda:r). Must divide the heads, KV heads and intermediate size.")
-        add("--dist-init-addr", type=str, default=None,
+        cls.flag(add, "dist_init_addr", str,
             help="HOST:PORT where the ranks meet (torch.distributed's TCP rendezvous, on node 0). Default "
                  "with one node: a free port on 127.0.0.1. Needed with --nnodes > 1.")
-        add("--nnodes", type=int, default=cls.default("nnodes"),
+        cls.flag(add, "nnodes", int,
             help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). "
                  "Start launch_server on every host with the same flags and its own --node-rank.")
-        add("--node-rank", type=int, default=cls.default("node_rank"),
+        cls.flag(add, "node_rank", int,
             help="This host's index in [0, --nnodes). Node 0 runs rank 0 and serves HTTP; the others run "
                  "their ranks only, and exit when rank 0 does.")
-        add("--dist-timeout", type=float, default=cls.default("dist_timeout"),
+        cls.flag(add, "dist_timeout", float,
             help="Seconds a tensor-parallel collective may wait for a peer rank; past it (or at once when a "
                  "peer's connection closes) the rank exits and the server fails its requests with an error.")
         add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=cls.default("dp_size"),
@@ -65,8 +65,7 @@ class ParallelArgs(ArgsGroup):
 
     def check(self) -> None:
         self.check_tensor_parallel()
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        self.check_at_least("dp_size")
         if self.dp_size > 1 and self.disagg_role == "verifier":
             raise ValueError("--dp-size with --disagg-role verifier: a verifier serves no HTTP for a router; "
                              "start one verifier process per drafter instead")

@@ -31,7 +31,7 @@ class KernelArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--attention-backend", type=str, default=cls.default("attention_backend"),
+        cls.flag(add, "attention_backend", str,
             help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
                  "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
         add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
@@ -49,9 +49,9 @@ class KernelArgs(ArgsGroup):
                  "library matrix products (and CUDA graphs), faster on some machines, but outputs may then "
                  "change with batch composition and VeriCache / lossy output need not equal full mode's (a "
                  "startup warning says so).")
-        add("--num-threads", type=int, default=None,
+        cls.flag(add, "num_threads", int,
             help="torch intra-op threads in the scheduler process (default: torch's, one per core).")
-        add("--cpu-half-gemm", type=str, default=cls.default("cpu_half_gemm"), choices=("auto", "native", "float32"),
+        cls.flag(add, "cpu_half_gemm", str, choices=("auto", "native", "float32"),
             help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
                  "native (torch's half GEMM); float32 (each weight also kept in float32, 4 more bytes per "
                  "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x "
@@ -62,7 +62,7 @@ class KernelArgs(ArgsGroup):
             help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
                  "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
                  "and replayed (batches padded up to the next captured size).")
-        add("--cuda-graph-max-bs", type=int, default=None,
+        cls.flag(add, "cuda_graph_max_bs", int,
             help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
                  "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
         add("--cuda-graph-bs", type=int, nargs="+", default=None,
@@ -83,10 +83,8 @@ class KernelArgs(ArgsGroup):
             self.check_deterministic_backend()
         if self.cpu_half_gemm not in ("auto", "native", "float32"):
             raise ValueError(f"--cpu-half-gemm must be auto, native or float32, got {self.cpu_half_gemm!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        self.check_at_least("num_threads")
+        self.check_at_least("cuda_graph_max_bs")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError(f"--cuda-graph-bs must be batch sizes >= 1, got {self.cuda_graph_bs}")
 
@@ -127,12 +125,11 @@ class LoggingArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--log-level", type=str, default=cls.default("log_level"),
-            help=f"Logging level: {', '.join(LOG_LEVELS)}.")
+        cls.flag(add, "log_level", str, help=f"Logging level: {', '.join(LOG_LEVELS)}.")
         add("--log-requests", action="store_true",
             help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
                  "(tokens, finish reason, text).")
-        add("--decode-log-interval", type=int, default=cls.default("decode_log_interval"),
+        cls.flag(add, "decode_log_interval", int,
             help="Decode iterations between the scheduler's \"Decode batch.\" log lines (running and waiting "
                  "requests, KV use of each tier, generation throughput); each prefill batch logs a "
                  "\"Prefill batch.\" line. Shown at --log-level info.")
@@ -143,8 +140,7 @@ class LoggingArgs(ArgsGroup):
     def check(self) -> None:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.decode_log_interval < 1:
-            raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        self.check_at_least("decode_log_interval")
 
     def log_notes(self) -> None:
         if self.enable_metrics:

@@ -53,10 +53,10 @@ class SpeculativeArgs(ArgsGroup):
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--speculative-algorithm", type=str, default=None,
+        cls.flag(add, "speculative_algorithm", str,
             help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV "
                  "(SGLang's spelling of --kv-mode vericache; needs --kv-compressor). Default: none.")
-        add("--speculative-num-draft-tokens", type=str, default=cls.default("speculative_num_draft_tokens"),
+        cls.flag(add, "speculative_num_draft_tokens", str,
             help=f"Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance "
                  f"(rounds of up to {AUTO_MAX_DRAFT_TOKENS}).")
         add("--speculative-ngram", action="store_true",
@@ -73,11 +73,11 @@ class SpeculativeArgs(ArgsGroup):
             default=cls.default("speculative_ngram_max_match_window_size"),
             help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
                  "(1-64).")
-        add("--speculative-ngram-branch-length", type=int, default=cls.default("speculative_ngram_branch_length"),
+        cls.flag(add, "speculative_ngram_branch_length", int,
             help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; "
                  "also at most the round's drafts left less one). One chain per request (SGLang's BFS "
                  "breadth 1).")
-        add("--vericache-schedule", type=str, default=cls.default("vericache_schedule"), choices=VERICACHE_SCHEDULES,
+        cls.flag(add, "vericache_schedule", str, choices=VERICACHE_SCHEDULES,
             help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
                  "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds "
                  "(and their length) and admits host-tier requests only while they add throughput; lockstep: "
@@ -85,7 +85,7 @@ class SpeculativeArgs(ArgsGroup):
                  "draft, booked against link bandwidth and staging memory (lockstep and staggered: fixed "
                  "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter "
                  "and at --tp-size > 1.")
-        add("--verify-staging-tokens", type=int, default=cls.default("verify_staging_tokens"),
+        cls.flag(add, "verify_staging_tokens", int,
             help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
                  "accelerator; also the longest context a request may have when exact KV is streamed.")
 
@@ -105,8 +105,7 @@ class SpeculativeArgs(ArgsGroup):
         if self.vericache_schedule not in VERICACHE_SCHEDULES:
             raise ValueError("--vericache-schedule must be adaptive, lockstep or staggered, got "
                              f"{self.vericache_schedule!r}")
-        if self.verify_staging_tokens < 1:
-            raise ValueError(f"--verify-staging-tokens must be >= 1, got {self.verify_staging_tokens}")
+        self.check_at_least("verify_staging_tokens")
         parse_draft_tokens(self.speculative_num_draft_tokens)
 
     @property

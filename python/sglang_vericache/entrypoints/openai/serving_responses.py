@@ -41,8 +41,19 @@ if TYPE_CHECKING:
     from sglang_vericache.managers.tokenizer_manager import TokenizerManager
 
 
+# Request fields a chat completion takes under the same name (sampling knobs), and those the response
+# echoes back as they are.
+_CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs")
+_ECHOED_FIELDS = ("tool_choice", "tools", "instructions", "max_output_tokens", "temperature", "top_p", "metadata")
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _fields(req: ResponsesRequest, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(req, name) for name in names}
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -133,20 +144,11 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         model=req.model or "",
         messages=_messages(req),
         max_completion_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty,
-        stop=req.stop,
         tools=tools,
         tool_choice=choice if tools else "none",
-        parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req),
-        chat_template_kwargs=req.chat_template_kwargs,
         stream=bool(req.stream),
+        **_fields(req, _CHAT_FIELDS),
     )
 
 
@@ -207,15 +209,9 @@ class _Job:
             incomplete_details=incomplete,
             usage=usage,
             parallel_tool_calls=bool(req.parallel_tool_calls),
-            tool_choice=req.tool_choice,
-            tools=req.tools,
-            instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
             store=False,
-            metadata=req.metadata,
             text={"format": {"type": "text"}} if req.text is None else req.text.model_dump(),
+            **_fields(req, _ECHOED_FIELDS),
         )
 
     def final_items(self, text: str, thought: str | None) -> list:
@@ -316,6 +312,11 @@ async def stream_events(job: _Job, gen, first: dict) -> AsyncIterator[bytes]:
         open_kind = kind
         return lines
 
+    def delta_events(kind: str, name: str, text: str, **extra: Any) -> list[bytes]:
+        """The event `name` adding text to the open `kind` item, the item opened first if need be."""
+        lines = open_item(kind) if open_kind != kind else []
+        return lines + [event(name, item_id=item.id, output_index=len(output), content_index=0, delta=text, **extra)]
+
     try:
         yield event("response.created", response=job.response([], "in_progress").model_dump())
         yield event("response.in_progress", response=job.response([], "in_progress").model_dump())
@@ -327,30 +328,13 @@ async def stream_events(job: _Job, gen, first: dict) -> AsyncIterator[bytes]:
             if reasoning is not None:
                 think, delta = split_stream_delta(reasoning, delta, final)
             if think:
-                if open_kind != "reasoning":
-                    for line in open_item("reasoning"):
-                        yield line
                 thought += think
-                yield event(
-                    "response.reasoning_text.delta",
-                    item_id=item.id,
-                    output_index=len(output),
-                    content_index=0,
-                    delta=think,
-                )
+                for line in delta_events("reasoning", "response.reasoning_text.delta", think):
+                    yield line
             text += delta
             if delta and job.plan is None:
-                if open_kind != "message":
-                    for line in open_item("message"):
-                        yield line
-                yield event(
-                    "response.output_text.delta",
-                    item_id=item.id,
-                    output_index=len(output),
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
+                for line in delta_events("message", "response.output_text.delta", delta, logprobs=[]):
+                    yield line
             if final:
                 break
             try:
