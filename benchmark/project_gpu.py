@@ -406,8 +406,9 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     flat = [r for row in rows for r in policy_rows(row)]
     table = markdown(rows, meta, calibration)
-    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": flat, "configs": rows}, indent=2))
-    out.with_suffix(".md").write_text(table + "\n")
+    root = str(Path(__file__).resolve().parents[1]) + "/"  # a result names no machine's folders
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": flat, "configs": rows}, indent=2).replace(root, ""))
+    out.with_suffix(".md").write_text(table.replace(root, "") + "\n")
     plot(rows, out.with_suffix(".png"), f"acceptance: {source}")
     print(table)
     print(f"\nwrote {out}.json, .md, .png  -- {LABEL}")
