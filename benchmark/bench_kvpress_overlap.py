@@ -111,7 +111,7 @@ def kvzip_ours(model_path: str, ids: list[int]) -> list[torch.Tensor]:
     return kept
 
 
-def kvzip_theirs(model_path: str, ids: list[int], n_kept: int):
+def kvzip_theirs(model_path: str, ids: list[int]):
     """(per layer [H_kv, ctx] KVzipPress's scores, per layer [H_kv, ctx] bool what it keeps)."""
     from kvpress import KVzipPress
 
@@ -146,7 +146,7 @@ def kvzip_theirs(model_path: str, ids: list[int], n_kept: int):
 def kvzip_row(model_path: str, ids: list[int]) -> dict:
     ours = kvzip_ours(model_path, ids)
     n_kept = ours[0].shape[1]
-    scores, keeps = kvzip_theirs(model_path, ids, n_kept)
+    scores, keeps = kvzip_theirs(model_path, ids)
     rule, kept = [], []
     for mine, score, keep in zip(ours, scores, keeps):
         top = score.float().topk(n_kept, dim=-1).indices

@@ -5,8 +5,9 @@ Per request (two-tier modes), on top of the exact-tier invariant in Req:
   q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
                 (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
                 the attention inputs [n, hidden] instead).
-kvzip folds each page through a reconstruction pass of the model instead (ReconstructionRunner,
-compress/kvzip_reconstruction.py, which the scheduler builds and hands to TwoTierKV.reconstruction).
+kvzip scores with reconstruction passes of the model instead (ReconstructionRunner,
+compress/kvzip_reconstruction.py, which the scheduler builds and hands to TwoTierKV.reconstruction):
+one per page in page scope, a segment's chunked replay in segment scope.
 
 Two scopes (`segment_scope`, --kv-compress-scope):
   page     a page is folded (compressed) alone as soon as its exact KV is committed, so the exact
@@ -89,7 +90,7 @@ class TwoTierKV:
             if hidden != mc.hidden_size:
                 raise ValueError(f"kvzap: the surrogate reads hidden states of {hidden}, the model's are "
                                  f"{mc.hidden_size}")
-        # kvzip: the model's reconstruction pass of every folded page, handed in by whoever builds the
+        # kvzip: the model's reconstruction passes of what it folds, handed in by whoever builds the
         # cache (the scheduler: compress/kvzip_reconstruction.py); the cache never runs the model itself.
         self.reconstruction = None
         logger.info(
