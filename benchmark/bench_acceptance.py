@@ -152,7 +152,11 @@ def main() -> None:
 
     if args.combine:
         parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in args.combine]
-        report = {"model_path": parts[0]["model_path"], "machine": machine(), "combined_from": args.combine,
+        for key in ("model_path", "num_prompts", "prompt_kinds", "context_tokens", "prompt_tokens",
+                    "max_new_tokens", "page_size", "dtype"):  # the header describes the runs, not this command
+            setattr(args, key, parts[0]["args"][key])
+        report = {"model_path": parts[0]["model_path"], "machine": parts[0].get("machine", machine()),
+                  "combined_from": args.combine,
                   "args": [part["args"] for part in parts], "rows": [r for part in parts for r in part["rows"]]}
         return write_report(args, report)
     tok = get_tokenizer(args.model_path)
@@ -184,7 +188,7 @@ def write_report(args, report: dict) -> None:
     lines = [
         f"VeriCache acceptance on code: {args.model_path}",
         f"{args.num_prompts} held-out prompts per group ({', '.join(args.prompt_kinds)}; "
-        f"{args.context_tokens or args.prompt_tokens} tokens), {args.max_new_tokens} greedy tokens each, page {args.page_size}, dtype {args.dtype}; machine: {machine()}",
+        f"{args.context_tokens or args.prompt_tokens} tokens), {args.max_new_tokens} greedy tokens each, page {args.page_size}, dtype {args.dtype}; machine: {report.get('machine') or machine()}",
         f"The paper reports {PAPER_TOKENS_PER_ROUND} tokens per round for its same-model drafter (Mistral-24B, "
         f"Qwen-32B, Llama-70B); here the most is {best['accept_length']:.2f} "
         f"({best['compressor']}, X = {best['draft_tokens']}: at most X + 1 = {best['draft_tokens'] + 1}).",
