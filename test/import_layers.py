@@ -3,14 +3,14 @@
 A request goes entrypoints -> managers -> speculative -> mem_cache / compress -> model_executor ->
 models / layers -> kernels. LAYERS below places every top-level subpackage and module of
 sglang_vericache in one layer (top first); a module may import its own layer and any layer below,
-never one above. A few modules sit below their package's layer: each is named on its own with the
-reason (the longest matching name wins).
+never one above. A few modules sit in another layer than their package's: each is named on its own
+with the reason (the longest matching name wins).
 
 Every import counts: module level, inside functions, and inside `if TYPE_CHECKING:` blocks. The one
 exception is explicit: TYPE_ONLY_UP lists the modules (the request, Req, and the scheduler's
-collaborators it hands down) that the round drivers may name in annotations, under
-`if TYPE_CHECKING:` only; importing them at run time from below (module level or in a function) is
-rejected like any other upward import.
+collaborators it hands down) that the round drivers (speculative/, disagg/) may name in annotations,
+under `if TYPE_CHECKING:` only; importing them at run time from below (module level or in a function)
+is rejected like any other upward import.
 
 test/test_import_layers.py checks the package against the table; its cycle test rejects every cycle
 among the imports that run when a module is imported (module level, outside TYPE_CHECKING): cycles
@@ -54,10 +54,16 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "managers",
-        ("managers", "disagg"),
-        "the tokenizer manager, the scheduler and its collaborators; disagg/'s scheduler-side roles "
-        "(RemotePrefill, RemoteVerifyWorker) and its wire sit beside them: the scheduler builds them "
-        "from narrow collaborators (memory, output, metrics), never the other way round",
+        ("managers",),
+        "the tokenizer manager, the scheduler and its collaborators",
+    ),
+    (
+        "disagg",
+        ("disagg",),
+        "the drafter's side of dual-instance VeriCache: its round driver (RemoteVerifyWorker, a spec "
+        "worker on speculative/'s interface), its admission (RemotePrefill), the verifier link, the "
+        "messages and their wire. The scheduler builds them from narrow collaborators (queues, memory, "
+        "output, metrics) that they name in annotations only (TYPE_ONLY_UP), never the other way round",
     ),
     (
         "speculative",
@@ -122,15 +128,20 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
 ]
 
 # Type-only imports that may go up: the request and the scheduler's collaborators that the scheduler
-# hands down to the round drivers (speculative/), named in their annotations only; module -> (the
+# hands down to the round drivers (speculative/) and to disagg/'s RemoteVerifyWorker and RemotePrefill,
+# named in their annotations only; module -> (the
 # layers that may name it, what it is). Allowed under `if TYPE_CHECKING:` alone; a runtime import of
 # them (module level or in a function) from below is rejected like any other. (The caches name the
 # request by a Protocol of their own, mem_cache/cache_req.py.)
 TYPE_ONLY_UP: dict[str, tuple[tuple[str, ...], str]] = {
-    "managers.schedule_batch": (("speculative",), "Req, the request's state, passed down"),
-    "managers.request_memory": (("speculative",), "RequestMemory (slots, retraction), handed to the drivers"),
-    "managers.output_sink": (("speculative",), "OutputSink (emits tokens), handed to VeriCacheRound"),
-    "managers.stats": (("speculative",), "SchedulerMetrics (counters), handed to VeriCacheRound"),
+    "managers.schedule_batch": (("disagg", "speculative"), "Req, the request's state, passed down"),
+    "managers.request_memory": (("disagg", "speculative"), "RequestMemory (slots, retraction), handed to the "
+                                                           "drivers and RemotePrefill"),
+    "managers.output_sink": (("disagg", "speculative"), "OutputSink (emits tokens), handed to VeriCacheRound "
+                                                        "and RemotePrefill"),
+    "managers.stats": (("disagg", "speculative"), "SchedulerMetrics (counters), handed to VeriCacheRound and "
+                                                  "RemotePrefill"),
+    "managers.request_queues": (("disagg",), "RequestQueues (waiting, running), handed to RemotePrefill"),
 }
 
 

@@ -80,6 +80,13 @@ def test_checker_reports_an_upward_import():
     assert upward_imports(f"{pkg}.layers.fake", type_only) == [  # allowed to speculative/ only
         f"{pkg}.layers.fake:3 type-only imports {pkg}.managers.stats (models -> managers)"
     ]
+    # disagg/'s drafter side names the scheduler's collaborators in annotations only; the scheduler's
+    # module is above it, at run time or not
+    assert upward_imports(f"{pkg}.disagg.fake", type_only) == []
+    assert upward_imports(f"{pkg}.disagg.fake", f"from {pkg}.managers.scheduler import Scheduler\n") == [
+        f"{pkg}.disagg.fake:1 imports {pkg}.managers.scheduler (disagg -> managers)"
+    ]
+    assert upward_imports(f"{pkg}.managers.fake", f"from {pkg}.disagg.remote_prefill import RemotePrefill\n") == []
     assert upward_imports(f"{pkg}.utils.fake", "import sgl_kernel_ext.cpu_attention\n") == [
         f"{pkg}.utils.fake:1 imports sgl_kernel_ext.cpu_attention (base -> kernels)"
     ]

@@ -26,7 +26,7 @@ from sglang_vericache.server_args_groups import (
     ParallelArgs,
     SpeculativeArgs,
 )
-from sglang_vericache.server_args_groups.base import add_group, help_with_default
+from sglang_vericache.server_args_groups.base import add_group, arg, help_with_default
 
 TITLES = ["Model and tokenizer", "HTTP server", "API: chat, parsers and sampling", "Memory and scheduling",
           "KV mode and compression (VeriCache)", "Speculative decoding (VeriCache rounds)", "KV store",
@@ -95,6 +95,35 @@ def test_a_flag_outside_its_groups_fields_is_refused_by_name():
         @classmethod
         def add_cli_args(cls, add) -> None:
             add("--size", type=int, default=1, help="A size.")
+
+    with pytest.raises(TypeError, match=r"Unflagged \('Unflagged'\): no flag for the field\(s\) depth"):
+        add_group(argparse.ArgumentParser(), Unflagged)
+
+
+def test_a_groups_flags_come_from_its_fields_declared_with_arg():
+    @dataclass
+    class Sizes(ArgsGroup):
+        TITLE = "Sizes"
+        size: int = arg(1, help="A size.")
+        name: str | None = arg(None, aliases=("--label",), choices=("a", "b"), help="A name.")
+        quiet: bool = arg(False, help="Say less.", also=(("--loud", dict(action="store_false", default=None,
+                                                                         help="Say more.")),))
+        widths: list[int] | None = arg(None, help="Widths.")
+
+    parser = argparse.ArgumentParser()
+    add_group(parser, Sizes)
+    args = parser.parse_args(["--size", "3", "--label", "b", "--quiet", "--widths", "1", "2"])
+    assert (args.size, args.name, args.quiet, args.widths) == (3, "b", True, [1, 2])
+    assert vars(parser.parse_args([])) == {"size": 1, "name": None, "quiet": False, "widths": None}
+    assert parser.parse_args(["--loud"]).quiet is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--name", "c"])
+
+    @dataclass
+    class Unflagged(ArgsGroup):
+        TITLE = "Unflagged"
+        size: int = arg(1, help="A size.")
+        depth: int = 2
 
     with pytest.raises(TypeError, match=r"Unflagged \('Unflagged'\): no flag for the field\(s\) depth"):
         add_group(argparse.ArgumentParser(), Unflagged)

@@ -38,19 +38,14 @@ class KIVICompressor(KVCompressor):
         t, h, d, f16 = c.chunk_size, c.num_kv_heads, c.head_dim, torch.float16
         codes = (t, h, d * self.bits // 8)
         k_groups, v_groups = (t // self.key_group, h, d), (t, h, d // self.value_group)
-        return Layout(
-            kind="quantized",
-            chunk_size=t,
-            rows=t,
-            tensors=(
-                TensorSpec("k", codes, torch.uint8),
-                TensorSpec("k_scale", k_groups, f16),
-                TensorSpec("k_zero", k_groups, f16),
-                TensorSpec("v", codes, torch.uint8),
-                TensorSpec("v_scale", v_groups, f16),
-                TensorSpec("v_zero", v_groups, f16),
-            ),
-        )
+        specs = []
+        for name, groups in (("k", k_groups), ("v", v_groups)):
+            specs += [
+                TensorSpec(name, codes, torch.uint8),
+                TensorSpec(f"{name}_scale", groups, f16),
+                TensorSpec(f"{name}_zero", groups, f16),
+            ]
+        return Layout(kind="quantized", chunk_size=t, rows=t, tensors=tuple(specs))
 
     def _quantize(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x grouped with the group axis at `dim` -> (codes like x, scale, zero) reduced over dim."""

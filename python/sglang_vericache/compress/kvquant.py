@@ -62,26 +62,18 @@ class KVQuantCompressor(KVCompressor):
         c = self.config
         t, h, d, f16, n = c.chunk_size, c.num_kv_heads, c.head_dim, torch.float16, self.num_outliers
         codes = (t, h, d * self.bits // 8)
-        return Layout(
-            kind="quantized",
-            chunk_size=t,
-            rows=t,
-            tensors=(
-                TensorSpec("k_codes", codes, torch.uint8),
-                TensorSpec("k_scale", (h, d), f16),
-                TensorSpec("k_zero", (h, d), f16),
-                TensorSpec("k_levels", (self.num_levels,), f16),
-                TensorSpec("k_out_val", (n,), c.dtype),
-                TensorSpec("k_out_idx", (n,), self.index_dtype),
-                TensorSpec("v_codes", codes, torch.uint8),
-                TensorSpec("v_scale", (t, h), f16),
-                TensorSpec("v_zero", (t, h), f16),
-                TensorSpec("v_levels", (self.num_levels,), f16),
-                TensorSpec("v_out_val", (n,), c.dtype),
-                TensorSpec("v_out_idx", (n,), self.index_dtype),
-                TensorSpec("pos", (t, h) if self.per_head_positions else (t,), torch.int32),
-            ),
-        )
+        specs = []
+        for name, channels in (("k", (h, d)), ("v", (t, h))):  # keys: per channel; values: per token
+            specs += [
+                TensorSpec(f"{name}_codes", codes, torch.uint8),
+                TensorSpec(f"{name}_scale", channels, f16),
+                TensorSpec(f"{name}_zero", channels, f16),
+                TensorSpec(f"{name}_levels", (self.num_levels,), f16),
+                TensorSpec(f"{name}_out_val", (n,), c.dtype),
+                TensorSpec(f"{name}_out_idx", (n,), self.index_dtype),
+            ]
+        specs.append(TensorSpec("pos", (t, h) if self.per_head_positions else (t,), torch.int32))
+        return Layout(kind="quantized", chunk_size=t, rows=t, tensors=tuple(specs))
 
     # ------------------------------------------------------------------ compress
 

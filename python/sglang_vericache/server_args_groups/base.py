@@ -1,8 +1,9 @@
 """What every ServerArgs group shares: its `--help` section, the flags of its own fields, and the
 check of those fields.
 
-A group is a small dataclass (model.py, memory.py, ...): its fields are ServerArgs fields, its
-`add_cli_args(add)` adds one flag per field (with SGLang's name where the concept is the same), its
+A group is a small dataclass (model.py, memory.py, ...): its fields are ServerArgs fields, each declared
+with `arg(default, help=..., ...)`, which carries the field's flag (with SGLang's name where the concept
+is the same); `add_cli_args(add)` makes one flag per field from them (as vLLM's EngineArgs does), its
 `check()` raises ValueError naming the flag of a bad value, and its `warnings()` names flags given a
 value that has no effect. ServerArgs (server_args.py) inherits every group; a group's check runs on
 the whole ServerArgs, so a rule between flags of two groups is checked by the group whose flag it
@@ -14,13 +15,56 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 
 def flag_of(name: str) -> str:
     """A field's flag: kv_store_path -> --kv-store-path."""
     return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+    """A field's flag: its help, more names for it (SGLang's long spellings), argparse keywords beyond
+    what the field implies (choices, action, const), and further flags that set the same field."""
+
+    help: str
+    aliases: tuple[str, ...] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    also: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+
+
+def arg(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (),
+        also: tuple[tuple[str, Mapping[str, Any]], ...] = (), default_factory: Any = dataclasses.MISSING,
+        repr: bool = True, **kwargs: Any) -> Any:
+    """A group's field and its flag --NAME (dashes for underscores; `aliases` are more names for it):
+    argparse's type and default come from the field's (a bool field is a store_true switch, a list[T]
+    field takes one or more T, a default_factory's flag defaults to None: unset), kwargs (choices,
+    action, const) go to argparse as they are, and `also` holds further flags of the same field, as
+    (flag, argparse keywords) pairs."""
+    spec = FlagSpec(help, tuple(aliases), dict(kwargs), tuple(also))
+    return dataclasses.field(default=default, default_factory=default_factory, repr=repr, metadata={"flag": spec})
+
+
+def flag_kwargs(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """argparse's keywords for the flag of `field` (declared with arg), whose type hint is `hint`."""
+    spec: FlagSpec = field.metadata["flag"]
+    kwargs: dict[str, Any] = {"dest": field.name, "help": spec.help, **spec.kwargs}
+    kwargs.setdefault("default", None if field.default is dataclasses.MISSING else field.default)
+    if "action" in kwargs:
+        return kwargs
+    if isinstance(hint, types.UnionType):  # T | None
+        (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
+    if hint is bool:
+        kwargs["action"] = "store_true"
+    elif typing.get_origin(hint) is list:
+        kwargs.update(type=typing.get_args(hint)[0], nargs="+")
+    else:
+        kwargs.setdefault("type", hint)
+    return kwargs
 
 
 class ArgsGroup:
@@ -38,14 +82,15 @@ class ArgsGroup:
 
     @classmethod
     def add_cli_args(cls, add: Callable[..., argparse.Action]) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def flag(cls, add: Callable[..., argparse.Action], name: str, type: Callable[[str], Any],
-             **kwargs: Any) -> argparse.Action:
-        """Adds the flag of the field `name` (--NAME, dashes for underscores) of `type`, whose default
-        is the field's; kwargs (help, choices, nargs) go to add as they are."""
-        return add(flag_of(name), type=type, default=cls.default(name), **kwargs)
+        """Adds the flags of the group's fields declared with arg, in field order (a group with flags
+        that are no field adds them around this: --kv-mode, --help-router)."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "flag" in f.metadata:
+                spec: FlagSpec = f.metadata["flag"]
+                add(flag_of(f.name), *spec.aliases, **flag_kwargs(f, hints[f.name]))
+                for flag, kwargs in spec.also:
+                    add(flag, dest=f.name, **kwargs)
 
     def check(self) -> None:
         """Raises ValueError naming the flag of a bad value of this group's fields (it may fill in a

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg, parse_bytes
 
 DISAGG_ROLES = ("none", "drafter", "verifier")
 DISAGG_PREFILLS = ("local", "verifier")
@@ -15,46 +15,36 @@ DISAGG_PREFILLS = ("local", "verifier")
 class DisaggArgs(ArgsGroup):
     TITLE = "Disaggregation (dual-instance VeriCache)"
 
-    disagg_role: str = "none"  # none | drafter | verifier
-    verifier_addr: str | None = None  # drafter: tcp://HOST:PORT of the verifier
-    disagg_port: int | None = None  # verifier: the TCP port it binds (on --host)
-    disagg_prefill: str = "local"  # drafter: local | verifier (remote prefix caching, disagg/remote_prefill.py)
-    disagg_bandwidth: str | None = None  # drafter: bytes/s of its link to the verifier; None = unthrottled
-    # both roles: HMAC-SHA256 key of every frame (disagg/wire.py); None = $SGLANG_VERICACHE_DISAGG_SECRET or
-    # unauthenticated. repr=False, and /server_info shows only whether it is set.
-    disagg_secret: str | None = field(default=None, repr=False)
-    disagg_timeout: float = 10.0  # seconds of silence before the peer counts as gone
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "disagg_role", str, choices=DISAGG_ROLES,
-            help="Dual-instance VeriCache: 'drafter' serves clients and drafts over compressed KV, verifying "
-                 "on the verifier at --verifier-addr; 'verifier' holds exact KV and verifies drafters' runs "
-                 "(no HTTP server; listens on --host:--disagg-port). Start the verifier first.")
-        cls.flag(add, "verifier_addr", str,
-            help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT (required with --disagg-role drafter; "
-                 "default: none).")
-        cls.flag(add, "disagg_port", int,
-            help="Verifier: the TCP port drafters connect to (required with --disagg-role verifier; default: "
-                 "none).")
-        cls.flag(add, "disagg_prefill", str, choices=DISAGG_PREFILLS,
-            help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
-                 "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the "
-                 "prompt's prefix (from its cache or --kv-store, over its slow link); the verifier loads the "
-                 "exact prefix from its own store, prefills the rest, and returns the first token and the "
-                 "exact KV of the positions past the drafter's compressed pages.")
-        cls.flag(add, "disagg_bandwidth", str,
-            help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
-                 "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
-                 "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
-        cls.flag(add, "disagg_secret", str,
-            help="Drafter and verifier: a shared secret; every frame between them then carries an "
-                 "HMAC-SHA256 under it, and frames without a valid one are dropped. Default: "
-                 "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
-                 "unauthenticated (the verifier then warns; keep its --host on loopback).")
-        cls.flag(add, "disagg_timeout", float,
-            help="Seconds without an answer before the drafter fails the requests the verifier held (and "
-                 "without a message before the verifier drops a drafter's sessions).")
+    disagg_role: str = arg("none", choices=DISAGG_ROLES,
+        help="Dual-instance VeriCache: 'drafter' serves clients and drafts over compressed KV, verifying "
+             "on the verifier at --verifier-addr; 'verifier' holds exact KV and verifies drafters' runs "
+             "(no HTTP server; listens on --host:--disagg-port). Start the verifier first.")
+    verifier_addr: str | None = arg(None,
+        help="Drafter: the verifier's ZMQ address, tcp://HOST:PORT (required with --disagg-role drafter; "
+             "default: none).")
+    disagg_port: int | None = arg(None,  # bound on --host
+        help="Verifier: the TCP port drafters connect to (required with --disagg-role verifier; default: "
+             "none).")
+    disagg_prefill: str = arg("local", choices=DISAGG_PREFILLS,  # verifier: disagg/remote_prefill.py
+        help="Drafter: who prefills a prompt. 'local': this instance (exact KV kept in its host tier). "
+             "'verifier' (remote prefix caching): the drafter loads only the compressed pages of the "
+             "prompt's prefix (from its cache or --kv-store, over its slow link); the verifier loads the "
+             "exact prefix from its own store, prefills the rest, and returns the first token and the "
+             "exact KV of the positions past the drafter's compressed pages.")
+    disagg_bandwidth: str | None = arg(None,
+        help="Drafter: bytes/s of its link to the verifier (e.g. 100MB); the exact KV the verifier sends "
+             "(prefill and rounds) is delivered no sooner than that link allows. Equal to "
+             "--kv-store-bandwidth, the store and the verifier share one link. Default: unthrottled.")
+    # The HMAC-SHA256 key of every frame (disagg/wire.py). repr=False, and /server_info shows only whether
+    # it is set.
+    disagg_secret: str | None = arg(None, repr=False,
+        help="Drafter and verifier: a shared secret; every frame between them then carries an "
+             "HMAC-SHA256 under it, and frames without a valid one are dropped. Default: "
+             "$SGLANG_VERICACHE_DISAGG_SECRET (preferred: a flag shows in the process list), else "
+             "unauthenticated (the verifier then warns; keep its --host on loopback).")
+    disagg_timeout: float = arg(10.0,
+        help="Seconds without an answer before the drafter fails the requests the verifier held (and "
+             "without a message before the verifier drops a drafter's sessions).")
 
     def check(self) -> None:
         """What each role needs, and what it cannot combine with."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg
 
 DEFAULT_CUDA_WATCHDOG_S = 300.0  # SGLang's default
 
@@ -14,32 +14,20 @@ DEFAULT_CUDA_WATCHDOG_S = 300.0  # SGLang's default
 class HttpArgs(ArgsGroup):
     TITLE = "HTTP server"
 
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    # Output tokens per streaming event (SGLang's --stream-interval); the first token and the finish go
-    # out at once.
-    stream_interval: int = 1
-    watchdog_timeout: float | None = None  # seconds one scheduler iteration may run; None: 300 on CUDA, off on CPU
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "host", str, help="HTTP host to bind.")
-        cls.flag(add, "port", int, help="HTTP port to bind.")
-        cls.flag(add, "api_key", str,
-            help="Require 'Authorization: Bearer KEY' on every request (/health and /metrics stay open). "
-                 "Default: no key.")
-        cls.flag(add, "served_model_name", str,
-            help="Model name reported by /v1/models (default: --model-path).")
-        cls.flag(add, "stream_interval", int,
-            help="Output tokens per streaming event (the first token and the finish are always sent at "
-                 "once).")
-        cls.flag(add, "watchdog_timeout", float,
-            help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
-                 "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
-                 "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
-                 "of a large model can take minutes.")
+    host: str = arg("127.0.0.1", help="HTTP host to bind.")
+    port: int = arg(30000, help="HTTP port to bind.")
+    api_key: str | None = arg(None,
+        help="Require 'Authorization: Bearer KEY' on every request (/health and /metrics stay open). "
+             "Default: no key.")
+    served_model_name: str | None = arg(None, help="Model name reported by /v1/models (default: --model-path).")
+    stream_interval: int = arg(1,  # SGLang's --stream-interval
+        help="Output tokens per streaming event (the first token and the finish are always sent at "
+             "once).")
+    watchdog_timeout: float | None = arg(None,  # None: watchdog_timeout_s's default
+        help="Seconds one scheduler iteration (a forward) may run before the server counts it as hung: "
+             "the scheduler dumps its threads' stacks and exits, and requests fail with an error "
+             "instead of waiting forever. Default: 300 on CUDA; off on a CPU, where one prefill chunk "
+             "of a large model can take minutes.")
 
     def check(self) -> None:
         self.check_at_least("stream_interval")
@@ -58,34 +46,24 @@ class HttpArgs(ArgsGroup):
 class ApiArgs(ArgsGroup):
     TITLE = "API: chat, parsers and sampling"
 
-    chat_template: str | None = None
+    chat_template: str | None = arg(None,
+        help="A Jinja chat template file that overrides the tokenizer's own (default: the tokenizer's).")
     # Tool calling and reasoning models (SGLang's parsers).
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None  # splits <think> text into reasoning_content (OpenAI chat)
-    sampling_defaults: str = "model"  # model: unset OpenAI sampling knobs from generation_config; openai: OpenAI's
-    random_seed: int = 0
-    enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "chat_template", str,
-            help="A Jinja chat template file that overrides the tokenizer's own (default: the tokenizer's).")
-        cls.flag(add, "tool_call_parser", str,
-            help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, "
-                 "...). Default: none (tool calls are not parsed out of the text).")
-        cls.flag(add, "reasoning_parser", str,
-            help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
-                 "thinking as message.reasoning_content, apart from content (and in stream deltas). Default: "
-                 "none (thinking stays in content).")
-        cls.flag(add, "sampling_defaults", str, choices=("openai", "model"),
-            help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / "
-                 "repetition_penalty unset gets: model: the checkpoint's generation_config.json (for the "
-                 "default model, its model card's temperature 0.2, top_p 0.9), else OpenAI's; openai: "
-                 "OpenAI's (temperature 1, top_p 1).")
-        cls.flag(add, "random_seed", int,
-            help="Seed for the server's random choices (seeds of unseeded requests).")
-        add("--enable-cache-report", action="store_true",
-            help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
+    tool_call_parser: str | None = arg(None,
+        help="SGLang function-call parser for OpenAI tools (qwen25, llama3, mistral, pythonic, hermes, "
+             "...). Default: none (tool calls are not parsed out of the text).")
+    reasoning_parser: str | None = arg(None,
+        help="SGLang reasoning parser (qwen3, deepseek-r1, ...): chat completions return the model's "
+             "thinking as message.reasoning_content, apart from content (and in stream deltas). Default: "
+             "none (thinking stays in content).")
+    sampling_defaults: str = arg("model", choices=("openai", "model"),
+        help="What an OpenAI request that leaves temperature / top_p / top_k / min_p / "
+             "repetition_penalty unset gets: model: the checkpoint's generation_config.json (for the "
+             "default model, its model card's temperature 0.2, top_p 0.9), else OpenAI's; openai: "
+             "OpenAI's (temperature 1, top_p 1).")
+    random_seed: int = arg(0, help="Seed for the server's random choices (seeds of unseeded requests).")
+    enable_cache_report: bool = arg(False,
+        help="OpenAI responses report prefix-cache hits as usage.prompt_tokens_details.cached_tokens.")
 
     def check(self) -> None:
         if self.chat_template is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_vericache.compressor_names import QUANTIZING, TOKEN_DROPPING, split_kv_compressor
-from sglang_vericache.server_args_groups.base import ArgsGroup, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg, parse_bytes
 
 KV_MODES = ("full", "offload", "lossy", "vericache")
 DEFAULT_KV_COMPRESSION_RATIO = 4.0
@@ -54,20 +54,46 @@ class KVModeArgs(ArgsGroup):
     TITLE = "KV mode and compression (VeriCache)"
     CLI_ONLY = ("kv_mode",)  # spelled out in the fields below by with_kv_mode
 
-    # Two-tier KV cache and VeriCache (issues 4-6).
-    kv_compressor: str | None = None
-    kv_compression_ratio: float = DEFAULT_KV_COMPRESSION_RATIO  # token-dropping compressors only
-    # What a token dropper ranks at once (issue 37): page | segment | auto (segment where it can)
-    kv_compress_scope: str = "auto"
-    kv_compress_segment_tokens: int = 8192  # longest segment (a longer prompt is folded in several)
-    kv_recent_window: int = 128  # segment scope: generated tokens kept exact before they are folded
-    kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
+    kv_compressor: str | None = arg(None,
+        help=f"KV compressor for the compressed tier: a token dropper ({', '.join(TOKEN_DROPPING)}), a "
+             f"quantizer ({', '.join(QUANTIZING)}), or DROP+QUANT (e.g. snapkv+kivi4). Alone it serves "
+             "from compressed KV (lossy); with --speculative-algorithm VERICACHE it drafts from it and "
+             "verifies against exact KV. Default: none (full mode).")
+    kv_compression_ratio: float = arg(DEFAULT_KV_COMPRESSION_RATIO,
+        help="Compression ratio of token-dropping compressors. Quantizers have the ratio of their bit "
+             "width: with them this flag has no effect (a warning says so).")
+    # What a token dropper ranks at once (issue 37).
+    kv_compress_scope: str = arg("auto", choices=("auto", "page", "segment"),
+        help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's "
+             "tokens) or segment (a prompt's whole pages after its prefill, with its last queries in "
+             "view, and generated tokens in segments past an exact recent window; one budget over the "
+             "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
+             "dual-instance role or --speculative-ngram; page otherwise.")
+    kv_compress_segment_tokens: int = arg(8192,
+        help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
+             "most 32767).")
+    kv_recent_window: int = arg(128,
+        help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
+             "folded as one segment, leaving this many exact.")
+    kv_offload: bool = arg(False,
+        help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
+             "(= --kv-mode offload).")
     # Two-tier modes: where the exact pool lives (mem_cache/device_page_cache.py). device: on the accelerator
     # (the placement's residency is accounting); host: in host memory (page-locked on CUDA), forwards reading
     # it through an accelerator page cache of exact_kv_cache_tokens (None: the device budget's worth).
-    exact_kv_pool: str = "device"
-    exact_kv_cache_tokens: int | None = None
-    link_bandwidth: str | None = None  # bytes/s ("2GB") of the host->accelerator link; None = unthrottled
+    exact_kv_pool: str = arg("device", choices=["device", "host"],
+        help="VeriCache and lossy modes: where the exact KV pool lives. device: accelerator memory "
+             "(which requests count as resident is accounting); host: host memory (page-locked on CUDA), "
+             "every committed token written through to it, forwards reading exact KV through an "
+             "accelerator page cache (--exact-kv-cache-tokens) that keeps resident requests' pages and "
+             "the others' tail pages.")
+    exact_kv_cache_tokens: int | None = arg(None,
+        help="With --exact-kv-pool host: tokens of exact KV the accelerator's page cache holds (default: "
+             "what --device-kv-budget holds of it, else the whole pool).")
+    link_bandwidth: str | None = arg(None,  # bytes/s of the host->accelerator link
+        help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
+             "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: "
+             "unthrottled. With --tp-size, each rank has its own link (its KV heads' bytes).")
 
     @classmethod
     def add_cli_args(cls, add) -> None:
@@ -78,43 +104,7 @@ class KVModeArgs(ArgsGroup):
                  "(= --kv-compressor with --speculative-algorithm VERICACHE). lossy and vericache need "
                  "--kv-compressor. Default: full, or what --kv-compressor / --speculative-algorithm / "
                  "--kv-offload imply.")
-        cls.flag(add, "kv_compressor", str,
-            help=f"KV compressor for the compressed tier: a token dropper ({', '.join(TOKEN_DROPPING)}), a "
-                 f"quantizer ({', '.join(QUANTIZING)}), or DROP+QUANT (e.g. snapkv+kivi4). Alone it serves "
-                 "from compressed KV (lossy); with --speculative-algorithm VERICACHE it drafts from it and "
-                 "verifies against exact KV. Default: none (full mode).")
-        cls.flag(add, "kv_compression_ratio", float,
-            help="Compression ratio of token-dropping compressors. Quantizers have the ratio of their bit "
-                 "width: with them this flag has no effect (a warning says so).")
-        cls.flag(add, "kv_compress_scope", str,
-            choices=("auto", "page", "segment"),
-            help="What a token-dropping compressor ranks at once: page (each page alone, k of every page's "
-                 "tokens) or segment (a prompt's whole pages after its prefill, with its last queries in "
-                 "view, and generated tokens in segments past an exact recent window; one budget over the "
-                 "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
-                 "dual-instance role or --speculative-ngram; page otherwise.")
-        cls.flag(add, "kv_compress_segment_tokens", int,
-            help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
-                 "most 32767).")
-        cls.flag(add, "kv_recent_window", int,
-            help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
-                 "folded as one segment, leaving this many exact.")
-        add("--kv-offload", action="store_true",
-            help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
-                 "(= --kv-mode offload).")
-        cls.flag(add, "exact_kv_pool", str, choices=["device", "host"],
-            help="VeriCache and lossy modes: where the exact KV pool lives. device: accelerator memory "
-                 "(which requests count as resident is accounting); host: host memory (page-locked on CUDA), "
-                 "every committed token written through to it, forwards reading exact KV through an "
-                 "accelerator page cache (--exact-kv-cache-tokens) that keeps resident requests' pages and "
-                 "the others' tail pages.")
-        cls.flag(add, "exact_kv_cache_tokens", int,
-            help="With --exact-kv-pool host: tokens of exact KV the accelerator's page cache holds (default: "
-                 "what --device-kv-budget holds of it, else the whole pool).")
-        cls.flag(add, "link_bandwidth", str,
-            help="Throttle host->accelerator copies of exact KV (verification staging, offload) to this many "
-                 "bytes per second (e.g. 2GB = 2e9 B/s), so a CPU run has a real slow link. Default: "
-                 "unthrottled. With --tp-size, each rank has its own link (its KV heads' bytes).")
+        super().add_cli_args(add)
 
     @property
     def kv_mode(self) -> str:

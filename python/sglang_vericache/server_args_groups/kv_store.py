@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg, flag_of, parse_bytes
 
 KV_STORE_KINDS = ("none", "file", "redis")  # = mem_cache.storage.KV_STORE_KINDS
 KV_STORE_TIERS = ("auto", "exact", "compressed", "both")
@@ -37,38 +37,28 @@ def check_redis_url(url: str) -> None:
 class KVStoreArgs(ArgsGroup):
     TITLE = "KV store"
 
-    kv_store: str = "none"  # none | file | redis
-    kv_store_path: str | None = None  # file store directory (default: default_kv_store_path())
-    kv_store_url: str = "redis://127.0.0.1:6379/0"
-    kv_store_capacity: str | None = None  # bytes ("4GB"); None = unlimited
-    kv_store_bandwidth: str | None = None  # bytes/s of the instance<->store link; None = unthrottled
-    kv_store_timeout: float = 1.0  # seconds per store call before it counts as down
-    kv_store_tiers: str = "auto"  # auto | exact | compressed | both
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "kv_store", str, choices=KV_STORE_KINDS,
-            help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
-                 "directory on this host), redis (a Redis server), none. Store trouble never fails a "
-                 "request: the prefix is recomputed.")
-        cls.flag(add, "kv_store_path", str,
-            help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
-                 "/sglang-vericache/kv-store).")
-        cls.flag(add, "kv_store_url", str,
-            help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or "
-                 "unix://PATH.")
-        cls.flag(add, "kv_store_capacity", str,
-            help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
-                 "Default: unlimited.")
-        cls.flag(add, "kv_store_bandwidth", str,
-            help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
-                 "between this instance and the store. Default: unthrottled.")
-        cls.flag(add, "kv_store_timeout", float,
-            help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
-                 "with a warning, and retried later).")
-        cls.flag(add, "kv_store_tiers", str, choices=KV_STORE_TIERS,
-            help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
-                 "both in lossy and VeriCache modes).")
+    kv_store: str = arg("none", choices=KV_STORE_KINDS,
+        help="Keep prompt KV pages in a shared store that any instance can load prefixes from: file (a "
+             "directory on this host), redis (a Redis server), none. Store trouble never fails a "
+             "request: the prefix is recomputed.")
+    kv_store_path: str | None = arg(None,  # None: default_kv_store_path(), filled in by check()
+        help="Directory of the file KV store (default: $XDG_CACHE_HOME or ~/.cache, "
+             "/sglang-vericache/kv-store).")
+    kv_store_url: str = arg("redis://127.0.0.1:6379/0",
+        help="Redis server of the redis KV store: redis://[:password@]HOST:PORT/DB, rediss://..., or "
+             "unix://PATH.")
+    kv_store_capacity: str | None = arg(None,
+        help="Most bytes the KV store may hold (e.g. 20GB); least recently used pages are evicted. "
+             "Default: unlimited.")
+    kv_store_bandwidth: str | None = arg(None,
+        help="Throttle KV store reads and writes to this many bytes/s (e.g. 1GB), modelling the link "
+             "between this instance and the store. Default: unthrottled.")
+    kv_store_timeout: float = arg(1.0,
+        help="Seconds a KV store call may take before the store counts as down (it is then skipped, "
+             "with a warning, and retried later).")
+    kv_store_tiers: str = arg("auto", choices=KV_STORE_TIERS,
+        help="Which KV tiers go through the store: exact, compressed, both, or auto (exact in full mode, "
+             "both in lossy and VeriCache modes).")
 
     @property
     def kv_store_tier_set(self) -> tuple[str, ...]:

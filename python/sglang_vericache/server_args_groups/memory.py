@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup, flag_of, parse_bytes
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg, flag_of, parse_bytes
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -24,44 +24,31 @@ class MemoryArgs(ArgsGroup):
                    "(full mode) or --host-kv-budget (VeriCache, lossy), then --mem-fraction-static (full "
                    "mode), else a quarter of the free memory.")
 
-    page_size: int = 16
-    max_total_tokens: int | None = None
-    device_kv_budget: str | None = None  # bytes ("64MB", "2GiB") of accelerator KV memory
-    host_kv_budget: str | None = None  # bytes of host memory for the exact tier (VeriCache)
-    mem_fraction_static: float | None = None  # device memory for weights + KV pool (SGLang's meaning)
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512
-    max_prefill_tokens: int = 4096
-    disable_radix_cache: bool = False
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "page_size", int, help="Tokens per KV-cache page.")
-        cls.flag(add, "max_total_tokens", int,
-            help="Token slots in the exact KV pool (default: from --device-kv-budget in full mode or "
-                 "--host-kv-budget in two-tier modes, else a quarter of free RAM, at most 131072).")
-        cls.flag(add, "device_kv_budget", str,
-            help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
-                 "keep the compressed tier, exact tails and verification staging here. Per rank with "
-                 "--tp-size. Default: none (full mode: see --max-total-tokens; two-tier modes: what "
-                 "--mem-fraction-static leaves after the weights, else twice the exact pool's pages).")
-        cls.flag(add, "host_kv_budget", str,
-            help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB). Per rank with --tp-size. "
-                 "Default: none (see --max-total-tokens).")
-        cls.flag(add, "mem_fraction_static", float,
-            help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
-                 "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "
-                 "full mode, the compressed tier in two-tier modes). --max-total-tokens and "
-                 "--device-kv-budget take precedence. Default: a quarter of the memory free after loading.")
-        cls.flag(add, "max_running_requests", int, help="Most requests decoding at once.")
-        cls.flag(add, "chunked_prefill_size", int,
-            help="Most prompt tokens one request prefills per forward pass (longer prompts are chunked).")
-        cls.flag(add, "max_prefill_tokens", int, help="Most prompt tokens in one prefill batch.")
-        add("--disable-radix-cache", action="store_true", help="Do not share prefixes between requests.")
-        cls.flag(add, "schedule_policy", str, choices=SCHEDULE_POLICIES,
-            help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
-                 "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
+    page_size: int = arg(16, help="Tokens per KV-cache page.")
+    max_total_tokens: int | None = arg(None,
+        help="Token slots in the exact KV pool (default: from --device-kv-budget in full mode or "
+             "--host-kv-budget in two-tier modes, else a quarter of free RAM, at most 131072).")
+    device_kv_budget: str | None = arg(None,  # bytes ("64MB", "2GiB")
+        help="Accelerator memory for KV (e.g. 256MB). Full mode keeps exact KV here; VeriCache and lossy "
+             "keep the compressed tier, exact tails and verification staging here. Per rank with "
+             "--tp-size. Default: none (full mode: see --max-total-tokens; two-tier modes: what "
+             "--mem-fraction-static leaves after the weights, else twice the exact pool's pages).")
+    host_kv_budget: str | None = arg(None,
+        help="Host memory for the exact KV tier in VeriCache mode (e.g. 4GB). Per rank with --tp-size. "
+             "Default: none (see --max-total-tokens).")
+    mem_fraction_static: float | None = arg(None,  # SGLang's meaning
+        help="Fraction of the device's memory (RAM on a CPU) for weights and the KV pool, as in "
+             "SGLang: the KV pool gets what is left of it after loading the weights (the exact pool in "
+             "full mode, the compressed tier in two-tier modes). --max-total-tokens and "
+             "--device-kv-budget take precedence. Default: a quarter of the memory free after loading.")
+    max_running_requests: int = arg(64, help="Most requests decoding at once.")
+    chunked_prefill_size: int = arg(512,
+        help="Most prompt tokens one request prefills per forward pass (longer prompts are chunked).")
+    max_prefill_tokens: int = arg(4096, help="Most prompt tokens in one prefill batch.")
+    disable_radix_cache: bool = arg(False, help="Do not share prefixes between requests.")
+    schedule_policy: str = arg("fcfs", choices=SCHEDULE_POLICIES,
+        help="Order of waiting requests: fcfs (arrival) or lpm (longest cached prefix first, so requests "
+             "that share a prefix run while it is cached; fcfs beyond 128 waiting).")
 
     def check(self) -> None:
         self.check_at_least("page_size")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg
 from sglang_vericache.utils.default_model import default_model_path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -19,50 +19,37 @@ QUANTIZATIONS = ("gguf",)
 class ModelArgs(ArgsGroup):
     TITLE = "Model and tokenizer"
 
-    model_path: str = field(default_factory=default_model_path)
-    tokenizer_path: str | None = None
-    load_format: str = "auto"  # auto: what model_path holds; safetensors; gguf; dummy: random, config only
-    skip_tokenizer_init: bool = False
-    trust_remote_code: bool = False  # for configs and tokenizers that ship their own code
-    context_length: int | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # dtype of the exact KV pools; auto = --dtype
-    quantization: str | None = None  # weight quantization: gguf (a GGUF file's weights) or None
-    device: str = "cpu"
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        add("--model-path", type=str, default=None,
-            help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or a GGUF "
-                 "file (or a folder holding one .gguf and no config.json): config, weights and tokenizer "
-                 "come from the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: "
-                 "SmolLM2-135M-Instruct (a GGUF file), fetched by scripts/setup_cpu.sh into "
-                 "~/.cache/sglang_vericache/models.")
-        cls.flag(add, "tokenizer_path", str, help="Tokenizer folder or GGUF file (default: --model-path).")
-        cls.flag(add, "load_format", str, choices=LOAD_FORMATS,
-            help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a "
-                 "GGUF file into --dtype; auto is whichever --model-path holds; dummy draws seeded random "
-                 "weights from the config alone (--random-seed), to benchmark a model's shape without its "
-                 "checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
-        add("--skip-tokenizer-init", action="store_true",
-            help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
-        add("--trust-remote-code", action="store_true",
-            help="Let transformers run code shipped with the model folder's config or tokenizer.")
-        cls.flag(add, "context_length", int,
-            help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")
-        cls.flag(add, "dtype", str, choices=DTYPES,
-            help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 "
-                 "checkpoints; for GGUF: float32 if every weight is stored F32, else bfloat16).")
-        cls.flag(add, "kv_cache_dtype", str, choices=DTYPES,
-            help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
-                 "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every "
-                 "mode (full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to "
-                 "full.")
-        cls.flag(add, "quantization", str,
-            help="Weight quantization, SGLang's flag: gguf (the weights of a GGUF --model-path, dequantized "
-                 "into --dtype when loaded; implies --load-format gguf). Any other value is refused with an "
-                 "error (quantized KV: --kv-compressor). Default: none (the checkpoint's own weights).")
-        cls.flag(add, "device", str, help="Device to run on: cpu or cuda.")
+    model_path: str = arg(default_factory=default_model_path,
+        help="Local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or a GGUF "
+             "file (or a folder holding one .gguf and no config.json): config, weights and tokenizer "
+             "come from the file, converted once into ~/.cache/sglang_vericache/gguf/. Default: "
+             "SmolLM2-135M-Instruct (a GGUF file), fetched by scripts/setup_cpu.sh into "
+             "~/.cache/sglang_vericache/models.")
+    tokenizer_path: str | None = arg(None, help="Tokenizer folder or GGUF file (default: --model-path).")
+    load_format: str = arg("auto", choices=LOAD_FORMATS,
+        help="How weights are loaded: safetensors reads the folder's *.safetensors; gguf dequantizes a "
+             "GGUF file into --dtype; auto is whichever --model-path holds; dummy draws seeded random "
+             "weights from the config alone (--random-seed), to benchmark a model's shape without its "
+             "checkpoint (pair with --skip-tokenizer-init or --tokenizer-path).")
+    skip_tokenizer_init: bool = arg(False,
+        help="Do not load a tokenizer: requests carry input_ids and responses carry output_ids only.")
+    trust_remote_code: bool = arg(False,
+        help="Let transformers run code shipped with the model folder's config or tokenizer.")
+    context_length: int | None = arg(None,
+        help="Longest prompt + output a request may have (default: the model's max_position_embeddings).")
+    dtype: str = arg("auto", choices=DTYPES,
+        help="Weight and activation dtype ('auto' = the checkpoint's torch_dtype, float32 for float32 "
+             "checkpoints; for GGUF: float32 if every weight is stored F32, else bfloat16).")
+    kv_cache_dtype: str = arg("auto", choices=DTYPES,
+        help="Dtype the exact KV is stored in ('auto' = --dtype). E.g. --dtype float32 --kv-cache-dtype "
+             "bfloat16 computes in float32 over bfloat16 KV: half the KV memory and link bytes; every "
+             "mode (full, VeriCache, lossy) reads the same rounded KV, so VeriCache stays identical to "
+             "full.")
+    quantization: str | None = arg(None,
+        help="Weight quantization, SGLang's flag: gguf (the weights of a GGUF --model-path, dequantized "
+             "into --dtype when loaded; implies --load-format gguf). Any other value is refused with an "
+             "error (quantized KV: --kv-compressor). Default: none (the checkpoint's own weights).")
+    device: str = arg("cpu", help="Device to run on: cpu or cuda.")
 
     def check(self) -> None:
         if self.load_format not in LOAD_FORMATS:

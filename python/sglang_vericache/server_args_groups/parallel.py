@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg
 
 
 class HelpRouterAction(argparse.Action):
@@ -27,39 +27,34 @@ class HelpRouterAction(argparse.Action):
 class ParallelArgs(ArgsGroup):
     TITLE = "Parallelism"
 
-    tp_size: int = 1  # tensor parallelism: one scheduler process per rank (distributed/parallel_state.py)
-    dist_init_addr: str | None = None  # host:port of the ranks' rendezvous; None: a free local port (one node)
-    nnodes: int = 1  # hosts the tp_size ranks are spread over (tp_size / nnodes ranks each)
-    node_rank: int = 0  # this host's index; node 0 serves HTTP and runs rank 0
-    dist_timeout: float = 600.0  # seconds a collective may wait for a peer rank before the server exits
-    dp_size: int = 1  # > 1: that many replicas behind sglang-router (dp/controller.py)
+    tp_size: int = arg(1, aliases=("--tensor-parallel-size",),  # distributed/parallel_state.py
+        help="Tensor parallel size: the model's attention heads (and both KV tiers, by KV head), MLP and "
+             "vocabulary are split over this many scheduler processes, one per rank (gloo on a CPU, NCCL "
+             "on CUDA: rank r on cuda:r). Must divide the heads, KV heads and intermediate size.")
+    dist_init_addr: str | None = arg(None,
+        help="HOST:PORT where the ranks meet (torch.distributed's TCP rendezvous, on node 0). Default "
+             "with one node: a free port on 127.0.0.1. Needed with --nnodes > 1.")
+    nnodes: int = arg(1,
+        help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). "
+             "Start launch_server on every host with the same flags and its own --node-rank.")
+    node_rank: int = arg(0,
+        help="This host's index in [0, --nnodes). Node 0 runs rank 0 and serves HTTP; the others run "
+             "their ranks only, and exit when rank 0 does.")
+    dist_timeout: float = arg(600.0,
+        help="Seconds a tensor-parallel collective may wait for a peer rank; past it (or at once when a "
+             "peer's connection closes) the rank exits and the server fails its requests with an error.")
+    dp_size: int = arg(1, aliases=("--data-parallel-size",),  # dp/controller.py
+        help="Data parallel size: N > 1 starts N replicas of this server (each a full server on its own "
+             "loopback port, with the other flags given here; with --tp-size M, N x M ranks) behind "
+             "sglang-router (pip install sglang-router), which launch_server starts and which clients "
+             "reach through --host:--port; /server_info lists every replica's state. The router's own "
+             "flags are accepted with a --router- prefix (--router-policy round_robin, "
+             "--router-disable-retries, ...), as by SGLang's sglang_router.launch_server: --help-router "
+             "lists them.")
 
     @classmethod
     def add_cli_args(cls, add) -> None:
-        add("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=cls.default("tp_size"),
-            help="Tensor parallel size: the model's attention heads (and both KV tiers, by KV head), MLP and "
-                 "vocabulary are split over this many scheduler processes, one per rank (gloo on a CPU, NCCL "
-                 "on CUDA: rank r on cuda:r). Must divide the heads, KV heads and intermediate size.")
-        cls.flag(add, "dist_init_addr", str,
-            help="HOST:PORT where the ranks meet (torch.distributed's TCP rendezvous, on node 0). Default "
-                 "with one node: a free port on 127.0.0.1. Needed with --nnodes > 1.")
-        cls.flag(add, "nnodes", int,
-            help="Number of hosts the --tp-size ranks are spread over (tp_size / nnodes ranks on each). "
-                 "Start launch_server on every host with the same flags and its own --node-rank.")
-        cls.flag(add, "node_rank", int,
-            help="This host's index in [0, --nnodes). Node 0 runs rank 0 and serves HTTP; the others run "
-                 "their ranks only, and exit when rank 0 does.")
-        cls.flag(add, "dist_timeout", float,
-            help="Seconds a tensor-parallel collective may wait for a peer rank; past it (or at once when a "
-                 "peer's connection closes) the rank exits and the server fails its requests with an error.")
-        add("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=cls.default("dp_size"),
-            help="Data parallel size: N > 1 starts N replicas of this server (each a full server on its own "
-                 "loopback port, with the other flags given here; with --tp-size M, N x M ranks) behind "
-                 "sglang-router (pip install sglang-router), which launch_server starts and which clients "
-                 "reach through --host:--port; /server_info lists every replica's state. The router's own "
-                 "flags are accepted with a --router- prefix (--router-policy round_robin, "
-                 "--router-disable-retries, ...), as by SGLang's sglang_router.launch_server: --help-router "
-                 "lists them.")
+        super().add_cli_args(add)
         add("--help-router", action=HelpRouterAction,
             help="Show sglang-router's flags (accepted with --dp-size > 1) and exit.")
 

@@ -7,7 +7,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 logger = logging.getLogger("sglang_vericache.server_args")  # startup notes read as ServerArgs'
@@ -17,57 +17,46 @@ logger = logging.getLogger("sglang_vericache.server_args")  # startup notes read
 class KernelArgs(ArgsGroup):
     TITLE = "Kernels and determinism"
 
-    attention_backend: str = "torch"
+    attention_backend: str = arg("torch",
+        help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
+             "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
     # Batch-invariant arithmetic (layers/batch_invariant.py): None = the default, on in every mode wherever
     # the backend has batch-invariant kernels (deterministic_default); resolved in __post_init__.
     # False: --disable-deterministic-inference.
-    enable_deterministic_inference: bool | None = None
-    num_threads: int | None = None
-    cpu_half_gemm: str = "auto"  # layers/half_gemm.py: auto | native | float32
-    # CUDA graphs (model_executor/cuda_graph_runner.py): on CUDA with the triton backend.
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None  # None: min(--max-running-requests, 64)
-    cuda_graph_bs: list[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to the max
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "attention_backend", str,
-            help="Attention backend: torch (reference, CPU and CUDA), triton (sgl-kernel-ext kernels; "
-                 "CUDA, or a CPU with TRITON_INTERPRET=1 for tests), flashinfer (NVIDIA GPU).")
-        add("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
-            help="Batch-invariant inference (the default): every token row is computed by the same "
-                 "arithmetic whatever shares its batch (linear layers as one float32 accumulation per output "
-                 "in a fixed order, attention reduced in fixed chunks of keys), so a prompt's output (tokens "
-                 "and logprobs) is the same alone or under load, chunked or not, cache hit or miss, and "
-                 "VeriCache / lossy output equals full mode's bitwise in every dtype. Default: on with the "
-                 "torch backend on a CPU and the triton backend on CUDA (Triton matmul and fixed-split "
-                 "attention; no CUDA graphs); off on flashinfer. Accepted for SGLang command lines; "
-                 "--disable-deterministic-inference (or --no-enable-deterministic-inference) turns it off.")
-        add("--disable-deterministic-inference", dest="enable_deterministic_inference", action="store_const",
-            const=False, default=None,
+    enable_deterministic_inference: bool | None = arg(None, action=argparse.BooleanOptionalAction,
+        help="Batch-invariant inference (the default): every token row is computed by the same "
+             "arithmetic whatever shares its batch (linear layers as one float32 accumulation per output "
+             "in a fixed order, attention reduced in fixed chunks of keys), so a prompt's output (tokens "
+             "and logprobs) is the same alone or under load, chunked or not, cache hit or miss, and "
+             "VeriCache / lossy output equals full mode's bitwise in every dtype. Default: on with the "
+             "torch backend on a CPU and the triton backend on CUDA (Triton matmul and fixed-split "
+             "attention; no CUDA graphs); off on flashinfer. Accepted for SGLang command lines; "
+             "--disable-deterministic-inference (or --no-enable-deterministic-inference) turns it off.",
+        also=(("--disable-deterministic-inference", dict(action="store_const", const=False, default=None,
             help="Turn deterministic inference off (default: on, see --enable-deterministic-inference): "
                  "library matrix products (and CUDA graphs), faster on some machines, but outputs may then "
                  "change with batch composition and VeriCache / lossy output need not equal full mode's (a "
-                 "startup warning says so).")
-        cls.flag(add, "num_threads", int,
-            help="torch intra-op threads in the scheduler process (default: torch's, one per core).")
-        cls.flag(add, "cpu_half_gemm", str, choices=("auto", "native", "float32"),
-            help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
-                 "native (torch's half GEMM); float32 (each weight also kept in float32, 4 more bytes per "
-                 "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x "
-                 "faster on CPUs without AVX512-BF16/AMX); auto (float32 on a CPU without half-precision dot "
-                 "products while the copies take under a quarter of free memory). Ignored under "
-                 "deterministic inference, whose kernel reads the weights in their own dtype.")
-        add("--disable-cuda-graph", action="store_true",
-            help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
-                 "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
-                 "and replayed (batches padded up to the next captured size).")
-        cls.flag(add, "cuda_graph_max_bs", int,
-            help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
-                 "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
-        add("--cuda-graph-bs", type=int, nargs="+", default=None,
-            help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs). CUDA "
-                 "with --attention-backend triton only (elsewhere: a warning).")
+                 "startup warning says so).")),))
+    num_threads: int | None = arg(None,
+        help="torch intra-op threads in the scheduler process (default: torch's, one per core).")
+    cpu_half_gemm: str = arg("auto", choices=("auto", "native", "float32"),  # layers/half_gemm.py
+        help="With deterministic inference off: how bfloat16 / float16 linear layers multiply on a CPU: "
+             "native (torch's half GEMM); float32 (each weight also kept in float32, 4 more bytes per "
+             "parameter; products accumulated in float32 and rounded once to the model dtype, 4-7x "
+             "faster on CPUs without AVX512-BF16/AMX); auto (float32 on a CPU without half-precision dot "
+             "products while the copies take under a quarter of free memory). Ignored under "
+             "deterministic inference, whose kernel reads the weights in their own dtype.")
+    # CUDA graphs (model_executor/cuda_graph_runner.py): on CUDA with the triton backend.
+    disable_cuda_graph: bool = arg(False,
+        help="Run decode and draft steps eagerly. By default, on CUDA with --attention-backend triton, "
+             "each batch size's DECODE / DRAFT_DECODE forward is captured as a CUDA graph on first use "
+             "and replayed (batches padded up to the next captured size).")
+    cuda_graph_max_bs: int | None = arg(None,
+        help="Largest batch size captured (default: min(--max-running-requests, 64)); larger batches "
+             "run eagerly. CUDA with --attention-backend triton only (elsewhere: a warning).")
+    cuda_graph_bs: list[int] | None = arg(None,
+        help="The batch sizes captured (default: 1 2 4 8, then every 8 up to --cuda-graph-max-bs). CUDA "
+             "with --attention-backend triton only (elsewhere: a warning).")
 
     def deterministic_default(self) -> bool:
         """Deterministic inference unless asked otherwise: on the torch backend on a CPU (the C++
@@ -118,24 +107,17 @@ class KernelArgs(ArgsGroup):
 class LoggingArgs(ArgsGroup):
     TITLE = "Logging and metrics"
 
-    log_level: str = "info"
-    log_requests: bool = False  # log each request on arrival and on finish
-    decode_log_interval: int = 40  # decode iterations between the scheduler's "Decode batch." log lines
-    enable_metrics: bool = False  # SGLang's flag; /metrics is always served here
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "log_level", str, help=f"Logging level: {', '.join(LOG_LEVELS)}.")
-        add("--log-requests", action="store_true",
-            help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
-                 "(tokens, finish reason, text).")
-        cls.flag(add, "decode_log_interval", int,
-            help="Decode iterations between the scheduler's \"Decode batch.\" log lines (running and waiting "
-                 "requests, KV use of each tier, generation throughput); each prefill batch logs a "
-                 "\"Prefill batch.\" line. Shown at --log-level info.")
-        add("--enable-metrics", action="store_true",
-            help="SGLang's switch for Prometheus metrics at /metrics, which are always on here (default: on, "
-                 "whether or not the flag is given); accepted so that SGLang command lines run.")
+    log_level: str = arg("info", help=f"Logging level: {', '.join(LOG_LEVELS)}.")
+    log_requests: bool = arg(False,
+        help="Log every request when it arrives (sizes, sampling parameters) and when it finishes "
+             "(tokens, finish reason, text).")
+    decode_log_interval: int = arg(40,
+        help="Decode iterations between the scheduler's \"Decode batch.\" log lines (running and waiting "
+             "requests, KV use of each tier, generation throughput); each prefill batch logs a "
+             "\"Prefill batch.\" line. Shown at --log-level info.")
+    enable_metrics: bool = arg(False,  # SGLang's flag
+        help="SGLang's switch for Prometheus metrics at /metrics, which are always on here (default: on, "
+             "whether or not the flag is given); accepted so that SGLang command lines run.")
 
     def check(self) -> None:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_vericache.server_args_groups.base import ArgsGroup
+from sglang_vericache.server_args_groups.base import ArgsGroup, arg
 
 VERICACHE_SCHEDULES = ("adaptive", "auto", "lockstep", "staggered")
 AUTO_MAX_DRAFT_TOKENS = 32  # --speculative-num-draft-tokens auto: the longest round it may choose
@@ -41,53 +41,40 @@ def parse_draft_tokens(value: str | int) -> int | None:
 class SpeculativeArgs(ArgsGroup):
     TITLE = "Speculative decoding (VeriCache rounds)"
 
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: str = "16"  # an integer, or "auto" (adapts per request)
+    speculative_algorithm: str | None = arg(None,
+        help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV "
+             "(SGLang's spelling of --kv-mode vericache; needs --kv-compressor). Default: none.")
+    speculative_num_draft_tokens: str = arg("16",  # an integer, or "auto": parse_draft_tokens
+        help=f"Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance "
+             f"(rounds of up to {AUTO_MAX_DRAFT_TOKENS}).")
     # N-gram proposals checked by the drafter (speculative/ngram.py), SGLang's NGRAM option names.
-    speculative_ngram: bool = False
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_branch_length: int = 8
-    vericache_schedule: str = "auto"  # adaptive | lockstep | staggered | auto (see `schedule`)
-    verify_staging_tokens: int = 16384  # exact-KV rows one streamed verification may stage per layer
-
-    @classmethod
-    def add_cli_args(cls, add) -> None:
-        cls.flag(add, "speculative_algorithm", str,
-            help="VERICACHE: draft over the compressed KV, verify over the exact KV; output equals full KV "
-                 "(SGLang's spelling of --kv-mode vericache; needs --kv-compressor). Default: none.")
-        cls.flag(add, "speculative_num_draft_tokens", str,
-            help=f"Draft tokens per VeriCache round (1-64), or 'auto' to adapt per request to its acceptance "
-                 f"(rounds of up to {AUTO_MAX_DRAFT_TOKENS}).")
-        add("--speculative-ngram", action="store_true",
-            help="VeriCache: look each request's newest tokens up in its own prompt and output (an n-gram "
-                 "index) and let the compressed-KV drafter check the continuation found there, several "
-                 "tokens in one draft forward; it keeps the tokens it would have drafted one at a time "
-                 "anyway, so the drafts, the verification and the output are unchanged, with fewer draft "
-                 "forwards. Any checkpoint.")
-        add("--speculative-ngram-min-match-window-size", type=int,
-            default=cls.default("speculative_ngram_min_match_window_size"),
-            help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose "
-                 "(1-64).")
-        add("--speculative-ngram-max-match-window-size", type=int,
-            default=cls.default("speculative_ngram_max_match_window_size"),
-            help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
-                 "(1-64).")
-        cls.flag(add, "speculative_ngram_branch_length", int,
-            help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; "
-                 "also at most the round's drafts left less one). One chain per request (SGLang's BFS "
-                 "breadth 1).")
-        cls.flag(add, "vericache_schedule", str, choices=VERICACHE_SCHEDULES,
-            help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
-                 "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds "
-                 "(and their length) and admits host-tier requests only while they add throughput; lockstep: "
-                 "all requests draft, then all verify; staggered: each iteration some verify while the rest "
-                 "draft, booked against link bandwidth and staging memory (lockstep and staggered: fixed "
-                 "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter "
-                 "and at --tp-size > 1.")
-        cls.flag(add, "verify_staging_tokens", int,
-            help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
-                 "accelerator; also the longest context a request may have when exact KV is streamed.")
+    speculative_ngram: bool = arg(False,
+        help="VeriCache: look each request's newest tokens up in its own prompt and output (an n-gram "
+             "index) and let the compressed-KV drafter check the continuation found there, several "
+             "tokens in one draft forward; it keeps the tokens it would have drafted one at a time "
+             "anyway, so the drafts, the verification and the output are unchanged, with fewer draft "
+             "forwards. Any checkpoint.")
+    speculative_ngram_min_match_window_size: int = arg(1,
+        help="--speculative-ngram: the fewest newest tokens that must match earlier text to propose "
+             "(1-64).")
+    speculative_ngram_max_match_window_size: int = arg(12,
+        help="--speculative-ngram: the most newest tokens matched; the longest window that matches wins "
+             "(1-64).")
+    speculative_ngram_branch_length: int = arg(8,
+        help="--speculative-ngram: the most proposal tokens one draft forward checks per request (1-64; "
+             "also at most the round's drafts left less one). One chain per request (SGLang's BFS "
+             "breadth 1).")
+    vericache_schedule: str = arg("auto", choices=VERICACHE_SCHEDULES,  # auto: see `schedule`
+        help="adaptive: per request, exact KV stays in device memory while the budget holds it, and a "
+             "controller fitted to measured step costs picks decoding like full mode or VeriCache rounds "
+             "(and their length) and admits host-tier requests only while they add throughput; lockstep: "
+             "all requests draft, then all verify; staggered: each iteration some verify while the rest "
+             "draft, booked against link bandwidth and staging memory (lockstep and staggered: fixed "
+             "policies, for benchmarks); auto (default): adaptive, lockstep on a --disagg-role drafter "
+             "and at --tp-size > 1.")
+    verify_staging_tokens: int = arg(16384,
+        help="Exact-KV rows (per layer, double-buffered) that streamed verification may stage on the "
+             "accelerator; also the longest context a request may have when exact KV is streamed.")
 
     def check(self) -> None:
         if self.speculative_algorithm is not None:

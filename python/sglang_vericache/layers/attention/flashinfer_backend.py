@@ -115,22 +115,14 @@ class FlashInferAttnBackend(TorchNativeAttnBackend):
         return indptr, indices.to(torch.int32), last
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        md, fb = self.forward_metadata, forward_batch
+    def forward_with(self, md, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                     fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if not isinstance(md, FlashInferMetadata):
-            return super().forward(q, k, v, layer, fb, save_kv_cache)
+            return super().forward_with(md, q, k, v, layer, fb, save_kv_cache)
         t, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(t, hkv, d), v.reshape(t, hkv, d))
+            self.save_kv(pool, layer, fb.out_cache_loc, k, v)
         paged = (
             pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, hkv, d),
             pool.get_value_buffer(layer.layer_id).view(-1, self.page_size, hkv, d),

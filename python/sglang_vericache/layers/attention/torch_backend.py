@@ -126,30 +126,18 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                    self.num_heads, self.max_score_bytes)
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
-        md = self.forward_metadata
-        fb = forward_batch
+    def forward_with(self, md, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                     fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        q = q.reshape(q.shape[0], layer.num_heads, layer.head_dim)
         if isinstance(md, DraftMetadata):
             return self._forward_draft(
                 q, k, v, layer, fb.draft_ctx, fb.token_to_kv_pool, fb.out_cache_loc, md, save_kv_cache
             )
         if isinstance(md, MixedMetadata):
             return self._forward_mixed(q, k, v, layer, fb, md, save_kv_cache)
-        pool = forward_batch.token_to_kv_pool
+        pool = fb.token_to_kv_pool
         if save_kv_cache:
-            k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
-            v = v.reshape(num_tokens, layer.num_kv_heads, layer.v_head_dim)
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+            self.save_kv(pool, layer, fb.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
         attend = sdpa_attend
@@ -187,10 +175,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _forward_resident(self, q, k, v, layer, fb: ForwardBatch, md: PaddedMetadata, out_loc: torch.Tensor,
                           save_kv_cache: bool):
         """Rows whose exact KV is in the pool (resident): the padded layout, as TARGET_VERIFY."""
-        t, pool = q.shape[0], fb.token_to_kv_pool
+        pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, out_loc, k.reshape(t, layer.num_kv_heads, layer.head_dim),
-                               v.reshape(t, layer.num_kv_heads, layer.v_head_dim))
+            self.save_kv(pool, layer, out_loc, k, v)
         attend = sdpa_attend
         if self.deterministic:
             attend = partial(invariant_attend, kernel=self.invariant_kernel)
@@ -231,8 +218,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         lid, bs = layer.layer_id, md.batch_size
         hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         if save_kv_cache:  # the new token's K/V first: it attends to itself
-            pool = ctx.draft_pool if md.new_kv == "draft" else exact
-            pool.set_kv_buffer(lid, out_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, dv))
+            self.save_kv(ctx.draft_pool if md.new_kv == "draft" else exact, layer, out_loc, k, v)
         if self.fused_draft is None:
             self.fused_draft = q.device.type == "cpu" and fused_draft_available()
         full_md, md = md, windowed_draft(md, layer.sliding_window, ctx.compressed_pool.chunk_size)

@@ -211,28 +211,20 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         )
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        md, fb = self.forward_metadata, forward_batch
+    def forward_with(self, md, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                     fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if isinstance(md, FixedSplitMetadata):
             return self._forward_fixed_split(q, k, v, layer, fb, md, save_kv_cache)
         if not isinstance(md, (DecodeKernelMetadata, VerifyKernelMetadata, DraftKernelMetadata)):
             self.path_counts["torch"] += 1
-            return super().forward(q, k, v, layer, fb, save_kv_cache)
+            return super().forward_with(md, q, k, v, layer, fb, save_kv_cache)
         t, h, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.reshape(t, h, d)
         if isinstance(md, DraftKernelMetadata):
             return self._forward_draft_kernel(q, k, v, layer, fb, md, save_kv_cache)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(t, hkv, d), v.reshape(t, hkv, d))
+            self.save_kv(pool, layer, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         r2t = fb.req_to_token_pool.req_to_token
         if isinstance(md, DecodeKernelMetadata):
@@ -254,8 +246,7 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         t, h, hkv, d = q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(t, hkv, d),
-                               v.reshape(t, hkv, layer.v_head_dim))
+            self.save_kv(pool, layer, fb.out_cache_loc, k, v)
         self.path_counts["fixed_split"] += 1
         out = self.fixed_split(q.reshape(t, h, d), pool.get_key_buffer(layer.layer_id),
                                pool.get_value_buffer(layer.layer_id), fb.req_to_token_pool.req_to_token,
@@ -281,8 +272,7 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         exact = fb.token_to_kv_pool
         if save_kv_cache:  # the new token's K/V first: it attends to itself
-            pool = ctx.draft_pool if ctx.new_kv == "draft" else exact
-            pool.set_kv_buffer(lid, fb.out_cache_loc, k.reshape(bs, hkv, d), v.reshape(bs, hkv, d))
+            self.save_kv(ctx.draft_pool if ctx.new_kv == "draft" else exact, layer, fb.out_cache_loc, k, v)
         key = (hkv, layout.rows)
         if key not in md.splits:
             md.splits[key] = (self.default_splits(bs, hkv, md.max_chunks * layout.rows, BLOCK_N),
