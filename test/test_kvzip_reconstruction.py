@@ -13,7 +13,9 @@ import torch
 
 from sglang_vericache.compress.kvzip import ReconstructionPass, reconstruction_scores
 from sglang_vericache.compress.token_drop import deal, top_k_indices
+from sglang_vericache.layers.rotary_embedding import RotaryEmbedding
 from sglang_vericache.managers.scheduler import Scheduler
+from sglang_vericache.model_config import ModelConfig
 from sglang_vericache.compress.kvzip_reconstruction import NO_TOKENIZER_FIRST, NO_TOKENIZER_NEXT
 from sglang_vericache.server_args import ServerArgs
 from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
@@ -199,3 +201,20 @@ def test_segment_scope_has_room_for_a_chunks_replay_past_the_context(qwen2):
     # The replay's scratch slots are not the requests': the limits follow (a prompt that cannot fit is refused).
     assert len(rec.scratch) == rec.max_rows
     assert sched.max_total_num_tokens == mr.max_total_num_tokens - rec.max_rows
+
+
+def test_a_prompt_near_the_context_length_replays_past_it(qwen2):
+    """A segment's replay runs at positions past the model's context (kvzip's repeat prompt and the chunk after
+    the segment): the RoPE tables cover them, and the output still equals deterministic full mode's."""
+    batch = prompts([qwen2_context(qwen2) - NEW - 8])
+    sched = scheduler(qwen2, **SEGMENT)
+    mr = sched.model_runner
+    reach = mr.model_config.context_len + mr.positions_past_context()
+    assert [m.max_position for m in mr.model.modules() if isinstance(m, RotaryEmbedding)] == [reach]
+    got = outputs(sched, batch)
+    assert [(o, lp) for o, lp, _ in got] == [(o, lp) for o, lp, _ in outputs(scheduler(qwen2), batch)]
+    assert sched.two_tier.reconstruction.forwards > 0 and sched.metrics.spec_rounds_total > 0
+
+
+def qwen2_context(path) -> int:
+    return ModelConfig.from_path(path).context_len

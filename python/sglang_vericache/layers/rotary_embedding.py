@@ -97,16 +97,25 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict):
         super().__init__()
         self.head_dim = head_dim
-        self.max_position = max_position
         self.rope_parameters = rope_parameters
+        self._build(max_position)
+
+    def _build(self, max_position: int) -> None:
         # Built on the CPU explicitly (the model may be constructed on the meta device) and moved
         # to the activations' device on first use. Not a buffer: never part of a state dict.
-        inv_freq = compute_inv_freq(rope_parameters, head_dim)
+        # A position's row is the same in a table of any length (elementwise from its index).
+        inv_freq = compute_inv_freq(self.rope_parameters, self.head_dim)
         positions = torch.arange(max_position, device="cpu")
         freqs = positions[:, None].float() * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.max_position = max_position
         self.cos_cache = emb.cos()
         self.sin_cache = emb.sin()
+
+    def reserve(self, max_position: int) -> None:
+        """Cover positions [0, max_position): the runtime places work past the context (kvzip's replay)."""
+        if max_position > self.max_position:
+            self._build(max_position)
 
     def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, D] in `dtype`."""

@@ -8,6 +8,7 @@ import torch
 
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.attention.registry import create_attention_backend, get_attention_backend_class
+from sglang_vericache.layers.rotary_embedding import RotaryEmbedding
 from sglang_vericache.mem_cache.device_page_cache import DevicePageCache, pages_one_forward_touches
 from sglang_vericache.mem_cache.kv_stager import LayerwiseKVStager
 from sglang_vericache.mem_cache.memory_pool import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
@@ -45,6 +46,8 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, self.device, server_args.load_format, server_args.random_seed)
         logger.info("serving %s", describe_model(self.model_config, self.model, server_args))
+        for rope in (m for m in self.model.modules() if isinstance(m, RotaryEmbedding)):
+            rope.reserve(self.model_config.context_len + self.positions_past_context())
         self.half_gemm_float32 = self.init_half_gemm()
         self.batch_invariant_mode = self.init_deterministic_inference()
         self.init_memory_pool()

@@ -118,9 +118,9 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # one table per layer kind (not submodules: the tables are never part of a state dict)
-        self.rotary_embs = {t: RotaryEmbedding(head_dim, max_position, layer_rope_parameters(config, t))
-                            for t in sorted(set(config.layer_types))}
+        # one table per layer kind (no parameters or buffers: never part of a state dict)
+        self.rotary_embs = nn.ModuleDict({t: RotaryEmbedding(head_dim, max_position, layer_rope_parameters(config, t))
+                                          for t in sorted(set(config.layer_types))})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
         hidden = self.embed_tokens(input_ids)
