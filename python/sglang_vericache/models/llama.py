@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sglang_vericache.layers.activation import SiluAndMul
+from sglang_vericache.layers.attention.cpu_decode import EMPTY_START
 from sglang_vericache.layers.layernorm import RMSNorm
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
@@ -131,10 +132,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, hidden, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
         """forward's ops in two calls around attention (sgl_kernel_ext.cpu_rowwise.llama_attn_in /
         llama_mlp_block: the same kernels in the same order, so the same bits, without ~20 Python-level
-        calls per layer)."""
+        calls per layer); in a DECODE step whose attention the backend planned (layers/attention/cpu_decode.py)
+        in one call, llama_decode_layer (the same kernels and the same KV writes as the attention path)."""
         ops = torch.ops.sgl_kernel_ext_rowwise
         a, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+        plan = getattr(forward_batch.attn_backend, "cpu_decode", None)
+        kv = None if plan is None or a.attn.sliding_window is not None else plan.buffers(a.attn.layer_id, hidden.dtype)
+        if kv is not None:  # a DECODE step: the whole layer, its KV write and attention included, in one call
+            return ops.llama_decode_layer(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
+                                          a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, kv[0], kv[1], plan.loc,
+                                          plan.kv_index, plan.allowed, EMPTY_START, a.attn.scaling, o.packed,
+                                          o.packed_bias_arg, n2.weight, n2.variance_epsilon, gate_up.packed,
+                                          gate_up.packed_bias_arg, gate_up.out_features, down.packed,
+                                          down.packed_bias_arg)
         q, k, v, normed = ops.llama_attn_in(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
                                             a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
         out = a.attn(q, k, v, forward_batch, hidden=normed)
