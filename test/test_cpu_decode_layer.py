@@ -2,7 +2,8 @@
 one call, its KV write and attention included, bitwise equal to the chain it replaces (llama_attn_in,
 the pool's index_copy_, fixed_chunk_attention rounded to the hidden dtype, llama_mlp_block), in
 bfloat16 and float32, one request or several of different lengths; and the model's decode with the
-fused layer (layers/attention/cpu_decode.py's plan) gives the same tokens and logprobs as without it."""
+fused layers (llama_decode_layers, llama_decode_layer: layers/attention/cpu_decode.py's plan) gives the
+same tokens and logprobs as without them."""
 
 from __future__ import annotations
 
@@ -89,31 +90,40 @@ def test_bad_operands_are_refused():
         run_fused(p, hidden, cs, cs, torch.tensor([4]), index, torch.empty(0, dtype=torch.bool))
 
 
-def test_model_decode_with_the_fused_layer_gives_the_same_tokens_and_logprobs(monkeypatch):
+def test_model_decode_with_the_fused_layers_gives_the_same_tokens_and_logprobs(monkeypatch):
+    """The bundled (Llama) model in bfloat16, prompts decoded as a batch and alone: all layers in one call
+    (llama_decode_layers), one call per layer (llama_decode_layer), and the attention path of the module
+    chain give the same tokens and logprobs."""
     from sglang_vericache.layers.attention import torch_backend
     from sglang_vericache.managers.scheduler import Scheduler
+    from sglang_vericache.models.llama import LlamaModel
     from sglang_vericache.server_args import ServerArgs
     from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
     sched = Scheduler(ServerArgs(skip_tokenizer_init=True, dtype="bfloat16", max_total_tokens=2048))
-    plans = []
-    make_plan = torch_backend.cpu_decode_plan
+    whole = []
+    operands = LlamaModel.decode_operands
 
-    def counted(*args):
-        plans.append(make_plan(*args))
-        return plans[-1]
+    def counted(self, hidden, plan):
+        whole.append(operands(self, hidden, plan))
+        return whole[-1]
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, sched.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 90)]
 
-    def generate(tag: str, batch: list[list[int]]) -> list:
-        reqs = [make_request(f"{tag}{i}", p, return_logprob=True, max_new_tokens=10, temperature=0.0, ignore_eos=True)
-                for i, p in enumerate(batch)]
-        res = run_to_completion(sched, reqs)
-        return [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in reqs]
+    def generate(tag: str) -> list:
+        out = []
+        for batch in (prompts, prompts[:1]):
+            reqs = [make_request(f"{tag}{len(batch)}-{i}", p, return_logprob=True, max_new_tokens=10, temperature=0.0,
+                                 ignore_eos=True) for i, p in enumerate(batch)]
+            res = run_to_completion(sched, reqs)
+            out += [(res[r.rid].output_ids, res[r.rid].output_token_logprobs) for r in reqs]
+        return out
 
-    monkeypatch.setattr(torch_backend, "cpu_decode_plan", counted)
-    fused = generate("f", prompts), generate("f1", prompts[:1])
-    assert any(p is not None for p in plans)  # the decode steps went through the fused layer
+    monkeypatch.setattr(LlamaModel, "decode_operands", counted)
+    fused = generate("all")
+    assert whole and all(w is not None for w in whole)  # every decode step: all layers in one call
+    monkeypatch.setattr(LlamaModel, "decode_operands", lambda self, hidden, plan: None)
+    assert generate("layer") == fused  # one call per layer
     monkeypatch.setattr(torch_backend, "cpu_decode_plan", lambda *args: None)
-    assert (generate("u", prompts), generate("u1", prompts[:1])) == fused
+    assert generate("chain") == fused  # attention through RadixAttention and the backend

@@ -9,6 +9,7 @@
 //   llama_mlp_block    o_proj + residual, post_attention_layernorm, MLP + residual  (after it)
 //   llama_decode_layer both, around the KV write (the pool's slots `loc`) and the batch-invariant
 //                      attention over the pool in place: a whole layer of a DECODE step (one query per request)
+//   llama_decode_layers llama_decode_layer over all of a model's layers in one call
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
   static const auto op = c10::Dispatcher::singleton()
@@ -95,4 +96,26 @@ at::Tensor llama_decode_layer(const at::Tensor& hidden, const at::Tensor& n1_w, 
   const at::Tensor attn = att.to(hidden.scalar_type()).view({rows, heads * head_dim});
   return llama_mlp_block(hidden, attn, o_packed, o_bias, n2_w, eps2, gate_up_packed, gate_up_bias, n_gate_up,
                          down_packed, down_bias);
+}
+
+// llama_decode_layer over a model's layers in order (no Python between them): weights holds 10 tensors
+// per layer (n1_w, qkv_packed, qkv_bias, o_packed, o_bias, n2_w, gate_up_packed, gate_up_bias,
+// down_packed, down_bias), eps 2 per layer (input / post-attention norm), k_bufs / v_bufs 1 each;
+// the shapes, the scale and the step's operands (loc, index, allowed, start) are the same for every layer.
+at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList weights, at::ArrayRef<double> eps, at::TensorList k_bufs,
+                               at::TensorList v_bufs, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                               int64_t n_gate_up, double scale, const at::Tensor& loc, const at::Tensor& index,
+                               const at::Tensor& allowed, const at::Tensor& start) {
+  const size_t layers = k_bufs.size();
+  TORCH_CHECK(weights.size() == 10 * layers && eps.size() == 2 * layers && v_bufs.size() == layers,
+              "llama_decode_layers: 10 weights, 2 eps, one k_buf and one v_buf per layer");
+  at::Tensor h = hidden;
+  for (size_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + 10 * l;
+    h = llama_decode_layer(h, w[0], eps[2 * l], w[1], w[2], heads, kv_heads, head_dim, cos, sin, k_bufs[l], v_bufs[l],
+                           loc, index, allowed, start, scale, w[3], w[4], w[5], eps[2 * l + 1], w[6], w[7], n_gate_up,
+                           w[8], w[9]);
+  }
+  return h;
 }
