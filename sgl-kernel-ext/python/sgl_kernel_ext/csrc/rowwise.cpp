@@ -142,12 +142,14 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 
 // h = x in float32 (the source when x is float32 itself: h == x then), sq = h * h.
 template <typename T>
-void square_rows(const T* x, float* h, float* sq, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = f32(x[i]);
-    if constexpr (!std::is_same_v<T, float>) h[i] = v;
-    sq[i] = v * v;
-  }
+void square_rows(const T* x, float* h, float* sq, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * n; i < r1 * n; ++i) {
+      const float v = f32(x[i]);
+      if constexpr (!std::is_same_v<T, float>) h[i] = v;
+      sq[i] = v * v;
+    }
+  });
 }
 
 // out = O(w * I(h * r)), r = 1 / sqrt(sum / n + eps) per row; h = x in float32, I = x's dtype, O = the promoted dtype.
@@ -205,11 +207,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor h = x.scalar_type() == at::kFloat ? xc : at::empty({rows, n}, x.options().dtype(at::kFloat));
   at::Tensor sq = at::empty({rows, n}, x.options().dtype(at::kFloat));
   switch (x.scalar_type()) {
-    case at::kFloat: square_rows(xc.data_ptr<float>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows * n); break;
+    case at::kFloat: square_rows(xc.data_ptr<float>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n); break;
     case at::kBFloat16:
-      square_rows(xc.data_ptr<c10::BFloat16>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows * n);
+      square_rows(xc.data_ptr<c10::BFloat16>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n);
       break;
-    default: square_rows(xc.data_ptr<c10::Half>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows * n); break;
+    default: square_rows(xc.data_ptr<c10::Half>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n); break;
   }
   const at::Tensor sums = at::sum(sq, {1}, true);
   const at::Tensor w = weight.contiguous();
