@@ -139,7 +139,9 @@ class LlamaDecoderLayer(nn.Module):
         a, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
         plan = getattr(forward_batch.attn_backend, "cpu_decode", None)
-        kv = None if plan is None or a.attn.sliding_window is not None else plan.buffers(a.attn.layer_id, hidden.dtype)
+        kv = None
+        if plan is not None and a.attn.sliding_window is None:
+            kv = plan.buffers(forward_batch, a.attn.layer_id, hidden.dtype)
         if kv is not None:  # a DECODE step: the whole layer, its KV write and attention included, in one call
             return ops.llama_decode_layer(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
                                           a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, kv[0], kv[1], plan.loc,
@@ -170,7 +172,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
         plan = getattr(forward_batch.attn_backend, "cpu_decode", None)
-        fused = None if plan is None else self.decode_operands(hidden, plan)
+        fused = None if plan is None or plan.forward_batch is not forward_batch else self.decode_operands(hidden, plan)
         if fused is not None:  # a DECODE step on a CPU: every layer in one call, as forward_fused does each
             weights, eps, dims = fused
             hidden = torch.ops.sgl_kernel_ext_rowwise.llama_decode_layers(

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from sglang_vericache.model_executor.forward_batch import ForwardBatch
 
 _EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
-_EMPTY_LONG = torch.empty(0, dtype=torch.int64)
+EMPTY_START = torch.empty(0, dtype=torch.int64)  # no sliding window: every query's keys start at 0
 
 
 @dataclass
@@ -35,15 +35,14 @@ class CpuDecodePlan:
     k_buffer: list[torch.Tensor]  # per layer [slots, Hkv, D], the pool's (written in place)
     v_buffer: list[torch.Tensor]
     dtype: torch.dtype  # the pool's
+    forward_batch: ForwardBatch  # the batch it was planned for (a plan is used for that batch only)
 
-    def buffers(self, layer_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer layer_id's K / V buffers, or None where the pool is not in the hidden states' dtype."""
-        if dtype != self.dtype:
+    def buffers(self, fb: ForwardBatch, layer_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer layer_id's K / V buffers for batch fb, or None where the plan is another batch's or the pool is
+        not in the hidden states' dtype."""
+        if fb is not self.forward_batch or dtype != self.dtype:
             return None
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
-
-
-EMPTY_START = _EMPTY_LONG  # no sliding window: every query's keys start at 0
 
 
 def cpu_decode_plan(fb: ForwardBatch, md, in_place: bool) -> CpuDecodePlan | None:
@@ -66,4 +65,4 @@ def cpu_decode_plan(fb: ForwardBatch, md, in_place: bool) -> CpuDecodePlan | Non
     index = md.kv_index if md.kv_index.dtype == torch.int64 else md.kv_index.to(torch.int64)
     allowed = _EMPTY_BOOL if md.allowed is None else md.allowed.contiguous()
     return CpuDecodePlan(loc.to(torch.int64).contiguous(), index.contiguous(), allowed, pool.k_buffer,
-                         pool.v_buffer, pool.dtype)
+                         pool.v_buffer, pool.dtype, fb)

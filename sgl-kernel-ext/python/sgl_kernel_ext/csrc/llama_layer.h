@@ -66,14 +66,15 @@ void write_rows(const at::Tensor& pool, const at::Tensor& loc, const at::Tensor&
 // k_buf / v_buf [slots, Hkv, D] at loc [T]; fixed_chunk_attention of each request's query over its keys
 // index [T, S] (allowed [T, 1, S] or empty, start [T, 1] or empty, as the torch backend passes them),
 // rounded to the hidden dtype; llama_mlp_block. -> the layer's output hidden [T, hidden].
-at::Tensor llama_decode_layer(const at::Tensor& hidden, const at::Tensor& n1_w, double eps1, const at::Tensor& qkv_packed,
-                              const at::Tensor& qkv_bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                              const at::Tensor& loc, const at::Tensor& index, const at::Tensor& allowed,
-                              const at::Tensor& start, double scale, const at::Tensor& o_packed,
-                              const at::Tensor& o_bias, const at::Tensor& n2_w, double eps2,
-                              const at::Tensor& gate_up_packed, const at::Tensor& gate_up_bias, int64_t n_gate_up,
-                              const at::Tensor& down_packed, const at::Tensor& down_bias) {
+at::Tensor llama_decode_layer(const at::Tensor& hidden, const at::Tensor& n1_w, double eps1,
+                              const at::Tensor& qkv_packed, const at::Tensor& qkv_bias, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
+                              const at::Tensor& index, const at::Tensor& allowed, const at::Tensor& start,
+                              double scale, const at::Tensor& o_packed, const at::Tensor& o_bias,
+                              const at::Tensor& n2_w, double eps2, const at::Tensor& gate_up_packed,
+                              const at::Tensor& gate_up_bias, int64_t n_gate_up, const at::Tensor& down_packed,
+                              const at::Tensor& down_bias) {
   static const auto attend =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("sgl_kernel_ext_cpu::fixed_chunk_attention", "")

@@ -243,9 +243,9 @@ TORCH_LIBRARY(sgl_kernel_ext_rowwise, m) {
         "float eps2, Tensor gate_up_packed, Tensor gate_up_bias, int n_gate_up, Tensor down_packed, "
         "Tensor down_bias) -> Tensor");
   m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
-  m.def("llama_decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, float[] eps, Tensor(a!)[] k_bufs, "
-        "Tensor(b!)[] v_bufs, int heads, int kv_heads, int head_dim, int n_gate_up, float scale, Tensor loc, "
-        "Tensor index, Tensor allowed, Tensor start) -> Tensor");
+  m.def("llama_decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, float[] eps, "
+        "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int heads, int kv_heads, int head_dim, int n_gate_up, "
+        "float scale, Tensor loc, Tensor index, Tensor allowed, Tensor start) -> Tensor");
   m.impl("llama_decode_layers", c10::DispatchKey::CPU, &llama_decode_layers);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
