@@ -56,6 +56,24 @@ def test_rms_norm_equals_the_torch_chain(dtype, weight_dtype, rows):
     assert same(cr.rms_norm(heads, w[:64], 1e-6), cr.rms_norm_ref(heads, w[:64], 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [7, 100, 576, 1536, 2048, 4099])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_mean_is_torchs_to_the_bit_at_any_width(dtype, n, threads):
+    """The kernel's mean (torch's float32 sum, then / n in C++) is torch's mean: widths whose division by n
+    is inexact, rows that torch's reduction splits differently, values over a wide range of magnitudes."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(70, n, generator=g) * torch.logspace(-3, 3, 70).unsqueeze(1)).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cr.rms_norm(x, w, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert same(got, cr.rms_norm_ref(x, w, 1e-6))
+
+
 def test_bad_inputs_are_refused():
     x = torch.randn(2, 3, 64)
     with pytest.raises(RuntimeError, match="share one dtype"):

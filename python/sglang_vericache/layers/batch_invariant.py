@@ -65,9 +65,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return kernel(x, packed, bias, n)
 
 
+pack_version = 0  # counts pack_linear_layers calls: operands cached from packed weights are stale when it moved
+
+
 def pack_linear_layers(model: torch.nn.Module) -> int:
     """Packs every linear layer's weight for sgl_kernel_ext.cpu_linear (its bias kept in float32);
     -> the packed bytes. Call again after the weights change."""
+    global pack_version
+    pack_version += 1
     from sgl_kernel_ext import cpu_linear
 
     from sglang_vericache.layers.linear import Linear

@@ -106,6 +106,10 @@ class PagedTokenAllocator:
 class MHATokenToKVPool:
     """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]."""
 
+    # set_kv_buffer is a copy into k_buffer / v_buffer at loc: a fused CPU decode layer may write them
+    # itself (layers/attention/cpu_decode.py). Read from this class's own namespace: a subclass must say so.
+    in_place_kv_writes = True
+
     def __init__(
         self,
         num_slots: int,

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from sglang_vericache.layers.activation import SiluAndMul
+from sglang_vericache.layers import batch_invariant
+from sglang_vericache.layers.attention.cpu_decode import EMPTY_START, CpuDecodePlan
 from sglang_vericache.layers.layernorm import RMSNorm
 from sglang_vericache.distributed.parallel_state import get_tp_group
 from sglang_vericache.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
@@ -131,10 +133,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, hidden, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
         """forward's ops in two calls around attention (sgl_kernel_ext.cpu_rowwise.llama_attn_in /
         llama_mlp_block: the same kernels in the same order, so the same bits, without ~20 Python-level
-        calls per layer)."""
+        calls per layer); in a DECODE step whose attention the backend planned (layers/attention/cpu_decode.py)
+        in one call, llama_decode_layer (the same kernels and the same KV writes as the attention path)."""
         ops = torch.ops.sgl_kernel_ext_rowwise
         a, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+        plan = getattr(forward_batch.attn_backend, "cpu_decode", None)
+        kv = None
+        if plan is not None and a.attn.sliding_window is None:
+            kv = plan.buffers(forward_batch, a.attn.layer_id, hidden.dtype)
+        if kv is not None:  # a DECODE step: the whole layer, its KV write and attention included, in one call
+            return ops.llama_decode_layer(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
+                                          a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, kv[0], kv[1], plan.loc,
+                                          plan.kv_index, plan.allowed, EMPTY_START, a.attn.scaling, o.packed,
+                                          o.packed_bias_arg, n2.weight, n2.variance_epsilon, gate_up.packed,
+                                          gate_up.packed_bias_arg, gate_up.out_features, down.packed,
+                                          down.packed_bias_arg)
         q, k, v, normed = ops.llama_attn_in(hidden, n1.weight, n1.variance_epsilon, qkv.packed, qkv.packed_bias_arg,
                                             a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
         out = a.attn(q, k, v, forward_batch, hidden=normed)
@@ -157,9 +171,52 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, forward_batch)
+        plan = getattr(forward_batch.attn_backend, "cpu_decode", None)
+        fused = None if plan is None or plan.forward_batch is not forward_batch else self.decode_operands(hidden, plan)
+        if fused is not None:  # a DECODE step on a CPU: every layer in one call, as forward_fused does each
+            weights, eps, dims = fused
+            hidden = torch.ops.sgl_kernel_ext_rowwise.llama_decode_layers(
+                hidden, cos, sin, weights, eps, plan.k_buffer, plan.v_buffer, *dims, plan.loc, plan.kv_index,
+                plan.allowed, EMPTY_START)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, forward_batch)
         return self.norm(hidden)
+
+    _decode_operands: tuple | None = None  # (batch_invariant.pack_version, dtype, operands or None)
+
+    def decode_operands(self, hidden: torch.Tensor, plan: CpuDecodePlan) -> tuple | None:
+        """llama_decode_layers' operands that do not change between steps (weights, norms' eps, shapes), or
+        None where some layer would not run LlamaDecoderLayer.forward_fused's decode call. Built once per
+        packing of the weights (norm weights are updated in place)."""
+        layers = self.layers
+        if not all(layer.fused_cpu for layer in layers):
+            return None
+        cached = self._decode_operands
+        if cached is None or cached[0] != batch_invariant.pack_version:
+            cached = self._decode_operands = (batch_invariant.pack_version, *self._build_decode_operands())
+        _, dtype, operands = cached
+        if operands is None or hidden.dtype != dtype or plan.dtype != dtype or hidden.device.type != "cpu" \
+                or len(plan.k_buffer) != len(layers):
+            return None
+        return operands
+
+    def _build_decode_operands(self) -> tuple[torch.dtype | None, tuple | None]:
+        weights, eps, dims = [], [], set()
+        dtype = self.layers[0].input_layernorm.weight.dtype
+        for i, layer in enumerate(self.layers):
+            a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            if type(layer) is not LlamaDecoderLayer or a.attn.sliding_window is not None or a.attn.layer_id != i \
+                    or mlp.down_proj.packed_op is None or not n1.weight.dtype == n2.weight.dtype == dtype:
+                return None, None
+            qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+            weights += [n1.weight, qkv.packed, qkv.packed_bias_arg, o.packed, o.packed_bias_arg, n2.weight,
+                        gate_up.packed, gate_up.packed_bias_arg, down.packed, down.packed_bias_arg]
+            eps += [n1.variance_epsilon, n2.variance_epsilon]
+            dims.add((a.num_heads, a.num_kv_heads, a.head_dim, gate_up.out_features, a.attn.scaling))
+        if len(dims) != 1:
+            return None, None
+        return dtype, (weights, eps, dims.pop())
 
 
 class LlamaForCausalLM(nn.Module):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_vericache.layers.attention.base import AttentionBackend
+from sglang_vericache.layers.attention.cpu_decode import CpuDecodePlan, cpu_decode_plan
 from sglang_vericache.layers.attention.draft_kernel import fused_draft_attention, fused_draft_available
 from sglang_vericache.layers.attention.draft_metadata import DraftMetadata, build_draft_metadata, windowed_draft
 from sglang_vericache.layers.attention.sliding_window import windowed
@@ -88,6 +89,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         # 13.7 vs 84.7 ms at 64 x 512). None: decided at the first DECODE (False on CUDA, or if it does not
         # build); False: SDPA (benchmarks set it to time SDPA).
         self.kernel_decode: bool | None = None
+        # this forward's DECODE attention operands for a fused CPU decoder layer (cpu_decode.py), or None
+        self.cpu_decode: CpuDecodePlan | None = None
         self._on_cpu = not str(getattr(model_runner, "device", "cpu")).startswith("cuda")
         # DRAFT_DECODE on a CPU: the fused kernel (draft_kernel.py) when it builds; False = torch path.
         self.fused_draft: bool | None = None  # None: decided at the first draft forward
@@ -102,6 +105,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        self.cpu_decode = None
         if fb.forward_mode.is_draft_decode():
             self.forward_metadata = build_draft_metadata(fb)
             return
@@ -121,6 +125,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             padded = self.force_layout == "padded"
         if padded:
             self.forward_metadata = padded_metadata(fb, req_to_token, ext_lens, max_q, max_s)
+            if fb.forward_mode.is_decode() and type(self).forward is TorchNativeAttnBackend.forward:
+                self.cpu_decode = cpu_decode_plan(fb, self.forward_metadata, self._decode_in_place())
         else:
             self.forward_metadata = ragged_metadata(fb, req_to_token, seq_lens, ext_lens, prefix_lens,
                                                    self.num_heads, self.max_score_bytes)

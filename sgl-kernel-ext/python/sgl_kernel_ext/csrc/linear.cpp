@@ -257,12 +257,15 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t ysize = y.element_size();
   // Work item = (a block of up to MB rows, a group of panels); rows-major, so a thread's run of items
   // reuses its x block (converted to float32 once per run) over consecutive panels. Decode-sized M:
-  // one block, panel groups only. Small products run on one thread (a parallel region costs more).
+  // one block, panel groups only: about 4 per thread and a multiple of the threads, at most 16 panels
+  // each, sizes differing by one panel at most (group pg: panels [pg * NP / n_pg, (pg + 1) * NP / n_pg)),
+  // so the threads' shares of the weight (parallel_for gives each a run of whole items) are even.
+  // Small products run on one thread (a parallel region costs more).
   const int64_t n_mb = (M + MB - 1) / MB;
   const int64_t threads = M * K * NP * NR < (int64_t{1} << 17) ? 1 : at::get_num_threads();
-  int64_t group = std::max<int64_t>(1, NP / std::max<int64_t>(1, (threads * 4 + n_mb - 1) / n_mb));
-  group = std::min<int64_t>(group, 16);
-  const int64_t n_pg = (NP + group - 1) / group;
+  const int64_t want = (threads * 4 + n_mb - 1) / n_mb;
+  const int64_t fewest = (NP + 15) / 16, per_thread = (std::max(want, fewest) + threads - 1) / threads;
+  const int64_t n_pg = std::min(NP, n_mb == 1 ? per_thread * threads : std::max(want, fewest));
   auto work = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[MR * 4 * NR];
     std::vector<float> xbuf;
@@ -271,7 +274,7 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mb = item / n_pg, pg = item % n_pg;
       const int64_t m0 = mb * MB, m1 = std::min(M, m0 + MB);
-      const int64_t p0 = pg * group, p1 = std::min(NP, p0 + group);
+      const int64_t p0 = pg * NP / n_pg, p1 = (pg + 1) * NP / n_pg;
       if (mb != x_mb) {
         xb = rows_as_float(x, m0, m1, xbuf);
         x_mb = mb;
@@ -280,7 +283,7 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tens
         const int64_t R = std::min<int64_t>(MR, m1 - t0);
         const int npan_full = panels_for(R);
         for (int64_t p = p0; p < p1;) {
-          const int npan = p + npan_full <= p1 ? npan_full : 1;
+          const int npan = p + npan_full <= p1 ? npan_full : p + 2 <= p1 && npan_full > 2 ? 2 : 1;
           pick<E>(R, npan)(xb + (t0 - m0) * K, K, wp + p * pstride * es, pstride, K, acc);
           for (int64_t r = 0; r < R; ++r)
             for (int q = 0; q < npan; ++q) {

@@ -2,14 +2,15 @@
 // SAME bits as that chain (references in cpu_rowwise.py): every step rounds where torch's chain
 // rounds, and does the IEEE operation torch does (+, -, *, /, sqrt are correctly rounded; float32 ->
 // bfloat16 / float16 round to nearest even, as c10's conversions do). The two reductions that are
-// not a fixed elementwise formula (RMSNorm's mean, SiLU's exp) are torch's own ops, called from here
+// not a fixed elementwise formula (RMSNorm's sum, SiLU's exp) are torch's own ops, called from here
 // on the same float32 values with the same shape. So a token's values do not depend on the other rows,
 // the thread count (threads split rows only) or the instruction set: the loops are plain C++.
 //
 //   rotary(q, k, cos, sin)        q [T, H, D], k [T, Hkv, D] (last dim contiguous), cos / sin [T, 1, D]
 //       -> q * cos + rotate_half(q) * sin, the same for k   (Hugging Face's apply_rotary_pos_emb)
 //   silu_and_mul(x)               x [..., 2d] -> (g / (1 + exp(-g))).to(x.dtype) * up, g = gate in float32
-//   rms_norm(x, w, eps)           x [..., n] -> w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)
+//   rms_norm(x, w, eps)           x [..., n] -> w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), the mean as
+//                                 torch's CPU mean computes it: torch's float32 sum, then / n
 //                                 (Hugging Face's LlamaRMSNorm; out dtype = promote(w, x))
 //
 // Built with -ffp-contract=off: no multiply-add is fused (torch's chains round between the two).
@@ -22,7 +23,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -137,12 +140,25 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-// out = O(w * I(h * r)), r = 1 / sqrt(var + eps) per row; h = x in float32, I = x's dtype, O = the promoted dtype.
+// h = x in float32 (the source when x is float32 itself: h == x then), sq = h * h.
+template <typename T>
+void square_rows(const T* x, float* h, float* sq, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * n; i < r1 * n; ++i) {
+      const float v = f32(x[i]);
+      if constexpr (!std::is_same_v<T, float>) h[i] = v;
+      sq[i] = v * v;
+    }
+  });
+}
+
+// out = O(w * I(h * r)), r = 1 / sqrt(sum / n + eps) per row; h = x in float32, I = x's dtype, O = the promoted dtype.
 template <typename I, typename W, typename O>
-void norm_rows(const float* h, const float* var, const W* w, O* out, float eps, int64_t rows, int64_t n) {
+void norm_rows(const float* h, const float* sum, const W* w, O* out, float eps, int64_t rows, int64_t n) {
+  const float fn = static_cast<float>(n);
   at::parallel_for(0, rows, GRAIN, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float inv = 1.0f / std::sqrt(var[r] + eps);
+      const float inv = 1.0f / std::sqrt(sum[r] / fn + eps);
       const float* hr = h + r * n;
       O* o = out + r * n;
       for (int64_t j = 0; j < n; ++j) {
@@ -154,23 +170,23 @@ void norm_rows(const float* h, const float* var, const W* w, O* out, float eps, 
 }
 
 template <typename I, typename W>
-void norm_out(const float* h, const float* var, const at::Tensor& w, at::Tensor& out, float eps, int64_t rows,
+void norm_out(const float* h, const float* sum, const at::Tensor& w, at::Tensor& out, float eps, int64_t rows,
               int64_t n) {
   const W* wp = w.data_ptr<W>();
   switch (out.scalar_type()) {
-    case at::kFloat: norm_rows<I, W, float>(h, var, wp, out.data_ptr<float>(), eps, rows, n); break;
-    case at::kBFloat16: norm_rows<I, W, c10::BFloat16>(h, var, wp, out.data_ptr<c10::BFloat16>(), eps, rows, n); break;
-    default: norm_rows<I, W, c10::Half>(h, var, wp, out.data_ptr<c10::Half>(), eps, rows, n); break;
+    case at::kFloat: norm_rows<I, W, float>(h, sum, wp, out.data_ptr<float>(), eps, rows, n); break;
+    case at::kBFloat16: norm_rows<I, W, c10::BFloat16>(h, sum, wp, out.data_ptr<c10::BFloat16>(), eps, rows, n); break;
+    default: norm_rows<I, W, c10::Half>(h, sum, wp, out.data_ptr<c10::Half>(), eps, rows, n); break;
   }
 }
 
 template <typename I>
-void norm_weight(const float* h, const float* var, const at::Tensor& w, at::Tensor& out, float eps, int64_t rows,
+void norm_weight(const float* h, const float* sum, const at::Tensor& w, at::Tensor& out, float eps, int64_t rows,
                  int64_t n) {
   switch (w.scalar_type()) {
-    case at::kFloat: norm_out<I, float>(h, var, w, out, eps, rows, n); break;
-    case at::kBFloat16: norm_out<I, c10::BFloat16>(h, var, w, out, eps, rows, n); break;
-    default: norm_out<I, c10::Half>(h, var, w, out, eps, rows, n); break;
+    case at::kFloat: norm_out<I, float>(h, sum, w, out, eps, rows, n); break;
+    case at::kBFloat16: norm_out<I, c10::BFloat16>(h, sum, w, out, eps, rows, n); break;
+    default: norm_out<I, c10::Half>(h, sum, w, out, eps, rows, n); break;
   }
 }
 
@@ -185,60 +201,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::ScalarType out_type = at::promote_types(weight.scalar_type(), x.scalar_type());
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_type));
   if (out.numel() == 0) return out;
-  // torch's own float32 conversion, square and mean, as the module calls them
-  const at::Tensor h = x.to(at::kFloat).contiguous();
-  const at::Tensor var = h.pow(2).mean(-1, true).contiguous();
+  // h = x in float32 (exact), h^2 (torch's pow(h, 2) is h * h), then torch's own float32 sum over rows of n
+  // (the reduction mean(-1) runs: its order is torch's), divided by n as mean's div_ does (in norm_rows)
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor h = x.scalar_type() == at::kFloat ? xc : at::empty({rows, n}, x.options().dtype(at::kFloat));
+  at::Tensor sq = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  switch (x.scalar_type()) {
+    case at::kFloat: square_rows(xc.data_ptr<float>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n); break;
+    case at::kBFloat16:
+      square_rows(xc.data_ptr<c10::BFloat16>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n);
+      break;
+    default: square_rows(xc.data_ptr<c10::Half>(), h.data_ptr<float>(), sq.data_ptr<float>(), rows, n); break;
+  }
+  const at::Tensor sums = at::sum(sq, {1}, true);
   const at::Tensor w = weight.contiguous();
   const float e = static_cast<float>(eps);
   switch (x.scalar_type()) {
-    case at::kFloat: norm_weight<float>(h.data_ptr<float>(), var.data_ptr<float>(), w, out, e, rows, n); break;
+    case at::kFloat: norm_weight<float>(h.data_ptr<float>(), sums.data_ptr<float>(), w, out, e, rows, n); break;
     case at::kBFloat16:
-      norm_weight<c10::BFloat16>(h.data_ptr<float>(), var.data_ptr<float>(), w, out, e, rows, n);
+      norm_weight<c10::BFloat16>(h.data_ptr<float>(), sums.data_ptr<float>(), w, out, e, rows, n);
       break;
-    default: norm_weight<c10::Half>(h.data_ptr<float>(), var.data_ptr<float>(), w, out, e, rows, n); break;
+    default: norm_weight<c10::Half>(h.data_ptr<float>(), sums.data_ptr<float>(), w, out, e, rows, n); break;
   }
   return out;
 }
 
-// ---- a Llama decoder layer's two halves around attention, for a CPU decode step's host overhead:
-// the same ops as the module chain (these functions, sgl_kernel_ext_linear::packed_linear through the
-// dispatcher, at::add for the residuals), so the same bits, in one call each instead of ~20.
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("sgl_kernel_ext_linear::packed_linear", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                               at::ScalarType)>();
-  return op.call(x, packed, bias, n, x.scalar_type());
-}
-
-// hidden [T, hidden] -> (q [T, H, D] and k [T, Hkv, D] rotated, v [T, Hkv, D] a view, the normed hidden):
-// input_layernorm, qkv_proj, split, apply_rotary_pos_emb.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> llama_attn_in(
-    const at::Tensor& hidden, const at::Tensor& norm_w, double eps, const at::Tensor& qkv_packed,
-    const at::Tensor& qkv_bias, int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
-    const at::Tensor& sin) {
-  TORCH_CHECK(hidden.dim() == 2, "llama_attn_in: hidden [T, hidden]");
-  const int64_t qs = heads * head_dim, kvs = kv_heads * head_dim, rows = hidden.size(0);
-  at::Tensor normed = rms_norm(hidden, norm_w, eps);
-  const at::Tensor qkv = linear(normed, qkv_packed, qkv_bias, qs + 2 * kvs);
-  const at::Tensor q = qkv.narrow(1, 0, qs).view({rows, heads, head_dim});
-  const at::Tensor k = qkv.narrow(1, qs, kvs).view({rows, kv_heads, head_dim});
-  at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({rows, kv_heads, head_dim});
-  auto [qr, kr] = rotary(q, k, cos, sin);
-  return {qr, kr, v, normed};
-}
-
-// hidden + o_proj(attn) -> h; h + down_proj(silu_and_mul(gate_up_proj(post_attention_layernorm(h)))).
-at::Tensor llama_mlp_block(const at::Tensor& hidden, const at::Tensor& attn, const at::Tensor& o_packed,
-                           const at::Tensor& o_bias, const at::Tensor& norm_w, double eps,
-                           const at::Tensor& gate_up_packed, const at::Tensor& gate_up_bias, int64_t n_gate_up,
-                           const at::Tensor& down_packed, const at::Tensor& down_bias) {
-  const int64_t n = hidden.size(-1);
-  const at::Tensor h = hidden + linear(attn, o_packed, o_bias, n);
-  const at::Tensor act = silu_and_mul(linear(rms_norm(h, norm_w, eps), gate_up_packed, gate_up_bias, n_gate_up));
-  return h + linear(act, down_packed, down_bias, n);
-}
+#include "llama_layer.h"
 
 }  // namespace
 
@@ -249,6 +237,16 @@ TORCH_LIBRARY(sgl_kernel_ext_rowwise, m) {
   m.def("llama_mlp_block(Tensor hidden, Tensor attn, Tensor o_packed, Tensor o_bias, Tensor norm_w, float eps, "
         "Tensor gate_up_packed, Tensor gate_up_bias, int n_gate_up, Tensor down_packed, Tensor down_bias) -> Tensor");
   m.impl("llama_mlp_block", c10::DispatchKey::CPU, &llama_mlp_block);
+  m.def("llama_decode_layer(Tensor hidden, Tensor n1_w, float eps1, Tensor qkv_packed, Tensor qkv_bias, int heads, "
+        "int kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, "
+        "Tensor index, Tensor allowed, Tensor start, float scale, Tensor o_packed, Tensor o_bias, Tensor n2_w, "
+        "float eps2, Tensor gate_up_packed, Tensor gate_up_bias, int n_gate_up, Tensor down_packed, "
+        "Tensor down_bias) -> Tensor");
+  m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
+  m.def("llama_decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, float[] eps, "
+        "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int heads, int kv_heads, int head_dim, int n_gate_up, "
+        "float scale, Tensor loc, Tensor index, Tensor allowed, Tensor start) -> Tensor");
+  m.impl("llama_decode_layers", c10::DispatchKey::CPU, &llama_decode_layers);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor");
