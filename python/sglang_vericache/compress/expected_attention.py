@@ -53,10 +53,12 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         )
 
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
         if q is None or q_positions is None or len(q) == 0:
             raise ValueError(f"{self.name}: a segment needs its queries")
-        scores = self.scores(q, k, v, positions, q_positions.to(k.device))
-        return top_k_indices(scores, self.kept(layer_id, k))
+        return self.scores(q, k, v, positions, q_positions.to(k.device))
 
     def query_statistics(self, q: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., T, H_q, D] post-RoPE at positions [..., T] -> future mu' [..., H_q, D] and

@@ -59,6 +59,8 @@ class KVModeArgs(ArgsGroup):
     kv_compression_ratio: float = DEFAULT_KV_COMPRESSION_RATIO  # token-dropping compressors only
     # What a token dropper ranks at once (issue 37): page | segment | auto (segment where it can)
     kv_compress_scope: str = "auto"
+    # Segment scope: how a token dropper's budget is split between KV heads: uniform | adaptive (AdaKV)
+    kv_head_budget: str = "uniform"
     kv_compress_segment_tokens: int = 8192  # longest segment (a longer prompt is folded in several)
     kv_recent_window: int = 128  # segment scope: generated tokens kept exact before they are folded
     kv_offload: bool = False  # full mode with exact KV in host memory, streamed in every step
@@ -93,6 +95,12 @@ class KVModeArgs(ArgsGroup):
                  "view, and generated tokens in segments past an exact recent window; one budget over the "
                  "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
                  "dual-instance role or --speculative-ngram; page otherwise.")
+        cls.flag(add, "kv_head_budget", str,
+            choices=("uniform", "adaptive"),
+            help="Segment scope, score-based token droppers (snapkv, pyramidkv, expected_attention, knorm, kvzip, "
+                 "kvzap): uniform (every KV head keeps the same number of tokens) or adaptive (AdaKV / kvpress "
+                 "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20% of its "
+                 "uniform share; the same total per layer).")
         cls.flag(add, "kv_compress_segment_tokens", int,
             help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
                  "most 32767).")
@@ -143,6 +151,8 @@ class KVModeArgs(ArgsGroup):
                              "tiers")
         if self.kv_compressor is not None:
             split_kv_compressor(self.kv_compressor)  # a name or DROP+QUANT; ValueError names the bad part
+        if self.kv_head_budget not in ("uniform", "adaptive"):
+            raise ValueError(f"--kv-head-budget must be uniform or adaptive, got {self.kv_head_budget!r}")
         if self.kv_compress_scope not in ("auto", "page", "segment"):
             raise ValueError(f"--kv-compress-scope must be auto, page or segment, got {self.kv_compress_scope!r}")
         if not self.page_size <= self.kv_compress_segment_tokens <= 32767:
