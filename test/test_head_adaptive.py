@@ -12,7 +12,7 @@ from sglang_vericache.compress.base import CompressorConfig
 from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs
+from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
@@ -148,10 +148,10 @@ def llama(tmp_path_factory):
     return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-def run(path, dtype, **server):
+def run(path, dtype, page_size=8, **server):
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
+    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=page_size,
                                  enable_deterministic_inference=True, **server))
     reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
             for i, ids in enumerate(batch)]
@@ -183,6 +183,33 @@ def test_adaptive_budget_output_equals_deterministic_full_mode(llama, full, comp
     assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full[dtype]]
     assert sched.metrics.spec_rounds_total > 0
     assert bool(calls) != fused  # the torch path read the tagged cells only where the kernel did not
+    assert moved_cells(sched) > 0  # some head kept more than its uniform share (cells outside its column)
+
+
+def moved_cells(sched) -> int:
+    """Cells of the compressed pool (freed chunks keep their bytes) that hold another column's head."""
+    pool = sched.two_tier.pool
+    own = torch.arange(pool.compressor.config.num_kv_heads, dtype=torch.int8)
+    return sum(int((bufs["head"][1:] != own).sum()) for bufs in pool.buffers)
+
+
+@pytest.fixture(scope="module")
+def bundled_full():
+    return {dtype: run(bundled_model_path(), dtype, page_size=16)[0] for dtype in ("bfloat16", "float32")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("compressor", ["snapkv", "kvzip"])
+def test_adaptive_budget_on_the_bundled_model_equals_deterministic_full_mode(bundled_full, compressor, dtype):
+    """The bundled model, pages of 16, a mixed batch: the fused kernel drafts from head-tagged cells; VeriCache's
+    tokens and logprobs are deterministic full mode's bitwise, in bfloat16 and float32."""
+    vc, sched = run(bundled_model_path(), dtype, page_size=16, kv_compressor=compressor, kv_compression_ratio=4,
+                    kv_head_budget="adaptive", speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4",
+                    vericache_schedule="lockstep", kv_recent_window=8)
+    assert [r.output_ids for r in vc] == [r.output_ids for r in bundled_full[dtype]]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in bundled_full[dtype]]
+    assert sched.metrics.spec_rounds_total > 0
+    assert moved_cells(sched) > 0
 
 
 def test_adaptive_budget_refuses_page_scope_compositions_and_unscored_methods(llama):
