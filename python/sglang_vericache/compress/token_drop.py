@@ -137,11 +137,15 @@ class TokenDropCompressor(KVCompressor):
         )
 
 
+    def head_safeguard(self) -> float:
+        """Head-adaptive budgets: the share of its uniform budget each head keeps first (AdaKV's alpha)."""
+        return self.config.alpha_safeguard
+
     def compress_segment_adaptive(self, layer_id, k, v, q, q_positions, positions, n: int) -> CompressedChunk:
         """compress_segment() with a head-adaptive budget: the layer's H_kv * kept cells by one top-k
         over segment_scores() (head_budget.adaptive_keep), laid out in (token, head) order."""
         scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)  # [H, S]
-        mask = adaptive_keep(scores, self.kept(layer_id, k), self.config.alpha_safeguard)
+        mask = adaptive_keep(scores, self.kept(layer_id, k), self.head_safeguard())
         token, head = deal_cells(mask, n, self.rows(layer_id))  # [n, k_l, H] each
         cell = (token * k.shape[1] + head).flatten()
         dtype = self.config.dtype
