@@ -99,8 +99,8 @@ class KVModeArgs(ArgsGroup):
             choices=("uniform", "adaptive"),
             help="Segment scope, score-based token droppers (snapkv, pyramidkv, expected_attention, knorm, kvzip, "
                  "kvzap): uniform (every KV head keeps the same number of tokens) or adaptive (AdaKV / kvpress "
-                 "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20% of its "
-                 "uniform share; the same total per layer).")
+                 "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20%% of its "
+                 "uniform share (kvzip: no safeguard, as KVzipPress); the same total per layer).")
         cls.flag(add, "kv_compress_segment_tokens", int,
             help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
                  "most 32767).")
