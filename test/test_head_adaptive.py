@@ -137,6 +137,35 @@ def test_fused_kernel_attends_each_head_to_its_tagged_cells(dtype):
     assert torch.equal(plain, tagged)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["invariant_kernel", "sdpa"])
+def test_torch_path_attends_each_head_to_its_tagged_cells(deterministic):
+    """torch_backend's path over head-tagged chunks (head_tagged.tagged_draft_attention) against the float64
+    reference: padded chunks and tails, a chunk whose cells are all one head's."""
+    from types import SimpleNamespace
+
+    from sglang_vericache.compress.base import Layout
+    from sglang_vericache.layers.attention.draft_metadata import _compressed_index
+    from sglang_vericache.layers.attention.head_tagged import tagged_draft_attention
+
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, d, r, nc = 3, 6, 3, 64, 4, 7
+    k, v = torch.randn(nc, r, hkv, d, generator=g), torch.randn(nc, r, hkv, d, generator=g)
+    head = torch.randint(0, hkv, (nc, r, hkv), generator=g, dtype=torch.int8)
+    head[5] = 2
+    q = torch.randn(b, h, d, generator=g)
+    ids, lens = torch.tensor([[1, 3, 5, 0], [2, 4, 1, 6], [5, 0, 0, 0]]), torch.tensor([3, 4, 1])
+    tk, tv = torch.randn(12, hkv, d, generator=g), torch.randn(12, hkv, d, generator=g)
+    ti, tl = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]]), torch.tensor([2, 1, 3])
+    layout = Layout("token_drop", 16, r, ())
+    ci = _compressed_index(ids, torch.arange(4)[None, :] < lens[:, None], layout)
+    md = SimpleNamespace(batch_size=b, tail_valid=torch.arange(3)[None, :] < tl[:, None], draft_valid=None)
+    layer = SimpleNamespace(num_kv_heads=hkv, num_heads=h, head_dim=d, v_head_dim=d, scaling=0.125)
+    rest = [(tk, tv, ti.T.reshape(-1))]
+    out = tagged_draft_attention(q, layer, {"k": k, "v": v, "head": head}, ci, md, rest, deterministic)
+    ref = tagged_reference(q, k, v, head, ids, lens, (tk, tv, ti, tl), 0.125)
+    assert (out.view(b, h, d) - ref).abs().max().item() < 2e-6
+
+
 # ------------------------------------------------------------------ the scheduler
 
 PROMPT_LENS = [40, 71, 9, 33]
