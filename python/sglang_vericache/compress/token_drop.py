@@ -136,7 +136,6 @@ class TokenDropCompressor(KVCompressor):
             }
         )
 
-
     def head_safeguard(self) -> float:
         """Head-adaptive budgets: the share of its uniform budget each head keeps first (AdaKV's alpha)."""
         return self.config.alpha_safeguard
