@@ -53,7 +53,8 @@ def plot(rows: list[dict], ratio: float, path) -> None:
             pts = [r for r in mine if r["compressor"] == name and r["ratio"] in (ratio, None)]
             pts_by = {}
             for r in pts:
-                pts_by.setdefault(r.get("scope", "page"), []).append(r)
+                adaptive = ", adaptive" if r.get("head_budget", "uniform") == "adaptive" else ""
+                pts_by.setdefault(r.get("scope", "page") + adaptive, []).append(r)
             for scope, sp in pts_by.items():
                 label = f"{name} ({scope})" if len(groups) == 1 else f"{name} ({scope}; {kind}, ~{size:.0f} tokens)"
                 ax.plot([r["draft_tokens"] for r in sp], [r["accept_length"] for r in sp], marker="o", label=label)
@@ -85,10 +86,12 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
     rows = []
     pairs = [(c, None, "page") if c in QUANTIZERS else (c, r, sc)
              for c in args.compressors for r in args.ratios for sc in args.kv_compress_scopes]
+    budget = {} if args.kv_head_budget == "uniform" else {"kv_head_budget": args.kv_head_budget}
     configs = [(c, r, sc, x) for c, r, sc in dict.fromkeys(pairs) for x in args.draft_tokens]
     lossy_identical = {}
     for name, ratio, scope, x in tqdm(configs, desc=f"vericache runs ({kind}, {lo}-{hi} tokens)"):
-        comp = dict(kv_compressor=name, kv_compression_ratio=ratio or 4.0, kv_compress_scope=scope, **common)
+        comp = dict(kv_compressor=name, kv_compression_ratio=ratio or 4.0, kv_compress_scope=scope,
+                    **(budget if name not in QUANTIZERS else {}), **common)
         if not args.no_lossy and full is not None and (name, ratio, scope) not in lossy_identical:
             lossy = run_mode(args.model_path, ids, args.max_new_tokens, sampling, **comp)
             lossy_identical[(name, ratio, scope)] = sum(a == b for a, b in zip(lossy.outputs, full.outputs)) / len(ids)
@@ -99,6 +102,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
         rows.append({
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
             "compressor": name, "ratio": ratio, "scope": scope, "draft_tokens": x,
+            "head_budget": args.kv_head_budget if name not in QUANTIZERS else "uniform",
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
             "accept_rate": m["spec_accepted"] / max(m["spec_drafted"], 1),
@@ -135,6 +139,10 @@ def main() -> None:
     p.add_argument("--kv-compress-scopes", nargs="+", default=["auto"], choices=("auto", "page", "segment"),
                    help="--kv-compress-scope values to run each token dropper with (quantizers: once, page): "
                         "page = each page ranked alone (before issue 37), segment = whole prompts.")
+    p.add_argument("--kv-head-budget", default="uniform", choices=("uniform", "adaptive"),
+                   help="--kv-head-budget of the token droppers (segment scope): uniform (every KV head keeps the "
+                        "same count) or adaptive (AdaKV: one top-k over the layer's heads); the scope column reads "
+                        "'segment, adaptive'.")
     p.add_argument("--combine", nargs="+", default=None, metavar="NAME",
                    help="Run nothing: write --out from the rows of results/NAME.json files (runs split across "
                         "processes).")
@@ -182,7 +190,7 @@ def write_report(args, report: dict) -> None:
         same = ("num_prompts", "prompt_tokens", "max_new_tokens", "page_size", "dtype", "model_path")
         report = merge_rows(args.out, report, lambda r: (r.get("prompt_kind", "code"), len(r.get("prompt_tokens", [])),
                                                          r["compressor"], r["ratio"], r.get("scope", "page"),
-                                                         r["draft_tokens"]), same)
+                                                         r.get("head_budget", "uniform"), r["draft_tokens"]), same)
     rows = report["rows"]
     best = max(rows, key=lambda r: r["accept_length"])
     lines = [
@@ -207,7 +215,8 @@ def write_report(args, report: dict) -> None:
         lossy = "-" if r.get("lossy_identical_share") is None else f"{r['lossy_identical_share']:.0%}"
         toks = r.get("prompt_tokens", [])
         size = f"{min(toks)}-{max(toks)}" if toks else "-"
-        lines.append(f"| {r.get('prompt_kind', 'code')} | {size} | {r['compressor']} | {ratio} | {r.get('scope', 'page')} | {r['draft_tokens']} "
+        scope = r.get("scope", "page") + (", adaptive" if r.get("head_budget", "uniform") == "adaptive" else "")
+        lines.append(f"| {r.get('prompt_kind', 'code')} | {size} | {r['compressor']} | {ratio} | {scope} | {r['draft_tokens']} "
                      f"| {r['rounds']} | {r['accept_length']:.2f} | {r['accept_rate']:.0%} | {same} | {lossy} | {step} |")
     if args.note:
         lines += ["", args.note]

@@ -18,7 +18,8 @@ prefix skipped, no chat suffix after the repeat prompt, as our replay has none; 
 the prefill is given its cache explicitly, else KVzipPress's replay reads no context). Two figures: against
 the top-k of KVzipPress's scores per KV head (the same rule, per-head budgets as ours), and against
 what KVzipPress keeps (`layerwise=True`: its budget ranked across the heads of a layer, so a head
-keeps more or fewer than ours; overlap = |ours & kvpress| / ours).
+keeps more or fewer than ours; overlap = |ours & kvpress| / ours); the latter also for ours with
+`--kv-head-budget adaptive` (our budget ranked across a layer's heads too; overlap over the layer's cells).
 
 Writes benchmark/results/kvpress_overlap.{json,md,png}.
 """
@@ -84,15 +85,16 @@ def measure(model, ids, press_cls, press_kwargs, comp) -> list[list[float]]:
     return [overlaps[i] for i in sorted(overlaps)]
 
 
-def kvzip_ours(model_path: str, ids: list[int]) -> list[torch.Tensor]:
-    """Per layer [H_kv, kept]: what our server's kvzip keeps of the prompt (one segment, float32)."""
+def kvzip_ours(model_path: str, ids: list[int], head_budget: str = "uniform") -> list[torch.Tensor]:
+    """Per layer [H_kv, S] bool: what our server's kvzip keeps of the prompt (one segment, float32)."""
     from sglang_vericache.managers.scheduler import Scheduler
     from sglang_vericache.server_args import ServerArgs
     from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
 
     sched = Scheduler(ServerArgs(model_path=model_path, dtype="float32", page_size=16, kv_compressor="kvzip",
                                  kv_compression_ratio=4, speculative_algorithm="VERICACHE",
-                                 vericache_schedule="lockstep", kv_compress_scope="segment"))
+                                 vericache_schedule="lockstep", kv_compress_scope="segment",
+                                 kv_head_budget=head_budget))
     tt, kept = sched.two_tier, []
     fold = tt.fold
 
@@ -101,8 +103,12 @@ def kvzip_ours(model_path: str, ids: list[int]) -> list[torch.Tensor]:
         ok = fold(req, **kw)
         if c == 0 and len(req.comp_indices):
             for layer in range(tt.pool.num_layers):
-                idx = tt.pool.read(layer, req.comp_indices).tensors["idx"]  # [n, k_l, H] segment indices
-                kept.append(idx.long().flatten(0, 1).transpose(0, 1))
+                cells = tt.pool.read(layer, req.comp_indices).tensors  # idx [n, k_l, H] segment indices
+                idx = cells["idx"].long()
+                head = cells["head"].long() if "head" in cells else torch.arange(idx.shape[-1]).expand_as(idx)
+                mask = torch.zeros(idx.shape[-1], len(ids) // 16 * 16, dtype=torch.bool)
+                mask[head.flatten(), idx.flatten()] = True  # head-adaptive: cell (j, c) is head[j, c]'s
+                kept.append(mask)
         return ok
 
     tt.fold = recording
@@ -144,16 +150,22 @@ def kvzip_theirs(model_path: str, ids: list[int]):
 
 
 def kvzip_row(model_path: str, ids: list[int]) -> dict:
+    """Ours (uniform) against the top-k of KVzipPress's scores per head and against what KVzipPress(layerwise=True)
+    keeps; ours with --kv-head-budget adaptive (the layer's budget ranked across heads) against the latter, cell by
+    cell: |ours & kvpress| / |ours| over the layer."""
     ours = kvzip_ours(model_path, ids)
-    n_kept = ours[0].shape[1]
+    adaptive = kvzip_ours(model_path, ids, "adaptive")
+    n_kept = int(ours[0][0].sum())
     scores, keeps = kvzip_theirs(model_path, ids)
-    rule, kept = [], []
-    for mine, score, keep in zip(ours, scores, keeps):
+    rule, kept, across = [], [], []
+    for mine, ada, score, keep in zip(ours, adaptive, scores, keeps):
         top = score.float().topk(n_kept, dim=-1).indices
-        rule.append([len(set(a.tolist()) & set(b.tolist())) / n_kept for a, b in zip(mine, top)])
-        kept.append([float(keep[h, mine[h]].float().mean()) for h in range(len(mine))])
+        rule.append([len(set(a.nonzero().flatten().tolist()) & set(b.tolist())) / n_kept for a, b in zip(mine, top)])
+        keep = keep[:, : mine.shape[1]]
+        kept.append([float(keep[h][mine[h]].float().mean()) for h in range(len(mine))])
+        across.append([float(keep[ada].float().mean())])
     row = {"compressor": "kvzip", "press": "KVzipPress", "press_kwargs": {"chunk_size": 2048, "n_sink": 4}}
-    for key, per_layer in (("", rule), ("kept_", kept)):
+    for key, per_layer in (("", rule), ("kept_", kept), ("adaptive_kept_", across)):
         flat = [x for layer in per_layer for x in layer]
         row |= {f"{key}mean_overlap": statistics.mean(flat), f"{key}min_overlap": min(flat),
                 f"{key}per_layer_mean": [statistics.mean(layer) for layer in per_layer],
@@ -210,6 +222,9 @@ def main() -> None:
     ]
     for r in rows:
         across = f"{r['kept_mean_overlap']:.1%} (min {r['kept_min_overlap']:.1%})" if "kept_mean_overlap" in r else "-"
+        if "adaptive_kept_mean_overlap" in r:
+            across += (f"; with --kv-head-budget adaptive {r['adaptive_kept_mean_overlap']:.1%} "
+                       f"(min {r['adaptive_kept_min_overlap']:.1%}, a layer)")
         lines.append(f"| {r['compressor']} | {r['press']} | {r['press_kwargs']} | {r['mean_overlap']:.1%} "
                      f"| {r['min_overlap']:.1%} | {across} |")
     write_results(args.out, report, "\n".join(lines))

@@ -276,6 +276,21 @@ def test_expected_attention_keeps_sinks_and_breaks_a_key_tie_by_value_norm():
     assert later == [[2, 3, 9, 12]] * 2  # the 1x ties go to the lower index
 
 
+def test_expected_attention_leaves_the_sinks_out_of_the_softmax():
+    """kvpress scores keys[n_sink:] (its softmax runs over them): the other keys' scores do not depend on
+    the sinks' keys, and equal those of the same keys alone."""
+    comp = make("expected_attention", ratio=4, num_sink_tokens=2)
+    k, v, q = randn(16, 2, 8, seed=3), randn(16, 2, 8, seed=4), randn(16, 4, 8, seed=5)
+    pos = torch.arange(16)
+    base = comp.scores(q, k, v, pos)
+    loud = k.clone()
+    loud[:2] *= 50  # sinks that would take the whole softmax
+    assert torch.equal(comp.scores(q, loud, v, pos), base)
+    assert torch.isinf(base[:, :2]).all()
+    alone = make("expected_attention", ratio=4, num_sink_tokens=0).scores(q[2:], k[2:], v[2:], pos[2:])
+    torch.testing.assert_close(base[:, 2:], alone, atol=1e-6, rtol=1e-5)
+
+
 def test_expected_attention_follows_the_mean_future_query():
     comp = make("expected_attention", ratio=8, num_kv_heads=1, num_q_heads=1, num_sink_tokens=0)  # k = 2
     pos = torch.arange(64, 80)

@@ -66,6 +66,11 @@ class CompressorConfig:
     n_future_positions: int = 512  # future query positions the expected RoPE rotation is averaged over
     # kvzip
     kvzip_prompt_tokens: int = 8  # length of the repeat prompt before the reconstructed chunk (proxy offset)
+    # token droppers over a segment: "uniform" (every KV head keeps the same count) or "adaptive" (AdaKV:
+    # one top-k over the layer's (head, token) scores, each head keeping at least alpha_safeguard of its
+    # uniform share; compress/head_budget.py)
+    head_budget: Literal["uniform", "adaptive"] = "uniform"
+    alpha_safeguard: float = 0.20  # kvpress AdaKVPress's default
     # kvquant
     outlier_fraction: float = 0.01  # share of each chunk's K (and V) values kept exact in a sparse side list
     kmeans_iters: int = 8  # Lloyd iterations fitting the chunk's non-uniform levels
@@ -93,6 +98,10 @@ class CompressorConfig:
             raise ValueError(f"h2o_recent_fraction must be in [0, 1], got {self.h2o_recent_fraction}")
         if not 0 <= self.outlier_fraction < 1:
             raise ValueError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")
+        if self.head_budget not in ("uniform", "adaptive"):
+            raise ValueError(f"head_budget must be 'uniform' or 'adaptive', got {self.head_budget!r}")
+        if not 0 <= self.alpha_safeguard <= 1:
+            raise ValueError(f"alpha_safeguard must be in [0, 1], got {self.alpha_safeguard}")
         if self.n_future_positions < 1 or self.kvzip_prompt_tokens < 0 or self.kmeans_iters < 0:
             raise ValueError("n_future_positions must be >= 1, kvzip_prompt_tokens and kmeans_iters >= 0")
 

@@ -21,7 +21,8 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         score(k) = mean over the KV group's q-heads of softmax_keys(s mu'.k + s^2 k^T Sigma' k / 2)
                    * ||v||,
 
-    softmax over the chunk's keys. Keys at positions < num_sink_tokens score +inf (kept first,
+    softmax over the chunk's keys other than the sinks (kvpress's rule: its softmax runs over
+    keys[n_sink:]). Keys at positions < num_sink_tokens score +inf (kept first,
     as kvpress pads them with the maximum). Per KV head keep the top k_l; ties: lower index.
 
     Departure from kvpress: statistics come from the chunk's captured queries rather than from
@@ -53,10 +54,12 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         )
 
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
         if q is None or q_positions is None or len(q) == 0:
             raise ValueError(f"{self.name}: a segment needs its queries")
-        scores = self.scores(q, k, v, positions, q_positions.to(k.device))
-        return top_k_indices(scores, self.kept(layer_id, k))
+        return self.scores(q, k, v, positions, q_positions.to(k.device))
 
     def query_statistics(self, q: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., T, H_q, D] post-RoPE at positions [..., T] -> future mu' [..., H_q, D] and
@@ -92,7 +95,11 @@ class ExpectedAttentionCompressor(TokenDropCompressor):
         sigma = sigma.unflatten(-3, (num_kv, group))  # [..., H_kv, G, D, D]
         mean_term = (kf * mu.unsqueeze(-2)).sum(-1)  # [..., H_kv, G, T]
         cov_term = (torch.matmul(kf, sigma) * kf).sum(-1)  # k^T Sigma k
-        probs = torch.softmax(s * mean_term + 0.5 * s * s * cov_term, dim=-1).mean(dim=-2)  # [..., H_kv, T]
-        scores = probs * v.float().norm(dim=-1).transpose(-1, -2)
         sink = (positions < c.num_sink_tokens).unsqueeze(-2)  # [..., 1, T]
+        logits = s * mean_term + 0.5 * s * s * cov_term
+        # the sinks are left out of the softmax, as kvpress scores keys[n_sink:] (a chunk of sinks only: its
+        # NaN probabilities are all replaced by +inf below)
+        logits = logits.masked_fill(sink.unsqueeze(-2), float("-inf"))
+        probs = torch.softmax(logits, dim=-1).mean(dim=-2)  # [..., H_kv, T]
+        scores = probs * v.float().norm(dim=-1).transpose(-1, -2)
         return torch.where(sink, float("inf"), scores)

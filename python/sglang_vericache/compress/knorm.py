@@ -15,3 +15,6 @@ class KNormCompressor(TokenDropCompressor):
     def select(self, layer_id, k, q, positions):
         norms = k.float().norm(dim=-1).transpose(-1, -2)  # [..., H, T]
         return top_k_indices(-norms, self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
+        return -k.float().norm(dim=-1).transpose(-1, -2)  # [H, S]

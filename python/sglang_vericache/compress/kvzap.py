@@ -128,12 +128,14 @@ class KVzapCompressor(TokenDropCompressor):
         return 2  # each token's own hidden state
 
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
-        """The surrogate's scores of the segment's own hidden states, the top kept(layer_id, k)
-        per head over the whole segment."""
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
+        """The surrogate's scores [H_kv, S] of the segment's own hidden states (sinks +inf)."""
         num_tokens = k.shape[0]
         h = None if q is None else q.flatten(-2) if q.dim() == 3 else q
         if h is None or len(h) < num_tokens or h.shape[-1] != self.surrogate.hidden_size:
             raise ValueError(f"kvzap: a segment needs its own hidden states [{num_tokens}, hidden]")
         scores = self.surrogate.predict(layer_id, h[:num_tokens])[..., self.heads].transpose(-1, -2)
         sink = (positions < self.config.num_sink_tokens).unsqueeze(0)
-        return top_k_indices(torch.where(sink, float("inf"), scores), self.kept(layer_id, k))
+        return torch.where(sink, float("inf"), scores)

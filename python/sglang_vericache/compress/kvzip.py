@@ -129,20 +129,27 @@ class KVzipCompressor(TokenDropCompressor):
             scores = torch.where(sink, float("inf"), scores)
         return top_k_indices(scores, self.kept(layer_id, k))
 
+    def head_safeguard(self) -> float:
+        return 0.0  # KVzip ranks a layer's heads with no safeguard (kvpress KVzipPress: "does not rely on safeguards")
+
     def segment_queries(self, layer_id: int) -> int:
         return 0  # no prefill queries: TwoTierKV hands it the segment's reconstruction scores instead
 
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
         """Segment scope: q is the segment's reconstruction scores [H_kv, S] (TwoTierKV replays the
         segment in chunks, ReconstructionRunner.segment_passes, and scores each chunk's keys with
-        reconstruction_scores, as kvpress scores a context chunk by chunk); the top
-        kept(layer_id, k) per head over the whole segment, sinks first."""
+        reconstruction_scores, as kvpress scores a context chunk by chunk), the sinks' +inf; segment_keep()
+        keeps the top kept(layer_id, k) per head over the whole segment, a head-adaptive budget the top
+        H_kv * kept over every head (kvpress KVzipPress(layerwise=True))."""
         want = (self.config.num_kv_heads, k.shape[0])
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != want:
             got = type(q).__name__ if not isinstance(q, torch.Tensor) else list(q.shape)
             raise ValueError(f"{self.name}: a segment needs its reconstruction scores {list(want)}, got {got}")
         sink = (positions.to(q.device) < self.config.num_sink_tokens).unsqueeze(0)
-        return top_k_indices(torch.where(sink, float("inf"), q.float()), self.kept(layer_id, k))
+        return torch.where(sink, float("inf"), q.float())
 
 
 class KVzipProxyCompressor(KVzipCompressor):
@@ -167,6 +174,9 @@ class KVzipProxyCompressor(KVzipCompressor):
         """Each page scored by its own proxy pass (its prefill queries, as page by page), the
         top kept(layer_id, k) per head over the whole segment (kvpress scores its context chunk by
         chunk and ranks the whole context)."""
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
         t, n = self.config.chunk_size, k.shape[0] // self.config.chunk_size
         if q is None or len(q) < n * t:
             raise ValueError(f"{self.name}: a segment needs its own {n * t} queries")
@@ -175,7 +185,7 @@ class KVzipProxyCompressor(KVzipCompressor):
                                        self.config.scale)  # [n, H, T]
         scores = scores.permute(1, 0, 2).flatten(1)  # [H, S]
         sink = (positions < self.config.num_sink_tokens).unsqueeze(0)
-        return top_k_indices(torch.where(sink, float("inf"), scores), self.kept(layer_id, k))
+        return torch.where(sink, float("inf"), scores)
 
     def pass_for(self, layer_id, k, q) -> ReconstructionPass:
         if isinstance(q, ReconstructionPass):

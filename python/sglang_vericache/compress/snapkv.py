@@ -48,6 +48,9 @@ class SnapKVCompressor(TokenDropCompressor):
         return torch.cat([top_k_indices(scores, n - window), keep_window], dim=-1)
 
     def segment_keep(self, layer_id, k, v, q, q_positions, positions):
+        return top_k_indices(self.segment_scores(layer_id, k, v, q, q_positions, positions), self.kept(layer_id, k))
+
+    def segment_scores(self, layer_id, k, v, q, q_positions, positions):
         if q is None or q_positions is None or len(q) == 0:
             raise ValueError(f"{self.name}: a segment needs its observation window's queries")
         window = min(self.config.window_size or SEGMENT_WINDOW, len(q))
@@ -57,7 +60,7 @@ class SnapKVCompressor(TokenDropCompressor):
         # The window's keys first, the most recent of them first (a budget smaller than the window keeps
         # its last tokens, as select() does); then the top-scored keys before it.
         rank = scores.amax() + 1 + (positions - positions[0] + 1).to(scores.dtype) / len(positions)
-        return top_k_indices(torch.where(in_window, rank.unsqueeze(0), scores), self.kept(layer_id, k))
+        return torch.where(in_window, rank.unsqueeze(0), scores)
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., N] pooled along tokens."""

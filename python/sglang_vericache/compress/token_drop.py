@@ -15,6 +15,10 @@ rows whose RoPE is applied, so which chunk holds a row does not matter, and the 
 the draft kernels stay as they are. The score rules live in each method's `select()` / `keep()`
 (their budget `kept(layer_id, k)` is k_l per page of k); `segment_keep()` is where a method that
 reads queries takes the segment's.
+
+Head-adaptive budgets (config.head_budget == "adaptive", compress/head_budget.py): compress_segment()
+keeps the layer's H_kv * kept tokens by one top-k over `segment_scores()` across heads (AdaKV), and
+each stored cell names its KV head (an extra `head` [k_l, H_kv] int8 tensor).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from abc import abstractmethod
 import torch
 
 from sglang_vericache.compress.base import CompressedChunk, KVCompressor, Layout, TensorSpec
+from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, own_heads
 
 
 class TokenDropCompressor(KVCompressor):
@@ -31,6 +36,9 @@ class TokenDropCompressor(KVCompressor):
         super().__init__(config)
         if config.chunk_size > torch.iinfo(torch.int16).max:
             raise ValueError(f"chunk_size {config.chunk_size} does not fit int16 indices")
+        self.head_adaptive = config.head_budget == "adaptive"
+        if self.head_adaptive and config.num_kv_heads > torch.iinfo(torch.int8).max:
+            raise ValueError(f"head-adaptive budgets: {config.num_kv_heads} KV heads do not fit int8 head ids")
 
     def rows(self, layer_id: int) -> int:
         """k_l: kept rows per head for this layer."""
@@ -56,6 +64,7 @@ class TokenDropCompressor(KVCompressor):
                 TensorSpec("k", (n, c.num_kv_heads, c.head_dim), c.dtype),
                 TensorSpec("v", (n, c.num_kv_heads, c.head_dim), c.dtype),
                 TensorSpec("idx", (n, c.num_kv_heads), torch.int16),
+                *((TensorSpec("head", (n, c.num_kv_heads), torch.int8),) if self.head_adaptive else ()),
             ),
         )
 
@@ -74,13 +83,14 @@ class TokenDropCompressor(KVCompressor):
         rows = self.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
         gather = rows[..., None].expand(*rows.shape, k.shape[-1])
         dtype = self.config.dtype
-        return CompressedChunk(
-            {
-                "k": torch.gather(k, -3, gather).to(dtype),
-                "v": torch.gather(v, -3, gather).to(dtype),
-                "idx": rows.to(torch.int16).contiguous(),
-            }
-        )
+        tensors = {
+            "k": torch.gather(k, -3, gather).to(dtype),
+            "v": torch.gather(v, -3, gather).to(dtype),
+            "idx": rows.to(torch.int16).contiguous(),
+        }
+        if self.head_adaptive:  # a page alone: every head keeps its own uniform selection
+            tensors["head"] = own_heads(rows.shape[:-1], k.shape[-2], k.device)
+        return CompressedChunk(tensors)
 
     def decompress(self, layer_id, chunk):
         return chunk["k"].float(), chunk["v"].float()
@@ -97,12 +107,23 @@ class TokenDropCompressor(KVCompressor):
         their select() over the segment."""
         return self.keep(layer_id, k, v, None, positions)
 
+    def segment_scores(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None,
+        q_positions: torch.Tensor | None, positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """[H_kv, S] the scores segment_keep() ranks (+inf: always kept), comparable across heads: what
+        head-adaptive budgets take one top-k over. Methods whose rule is not a score say so."""
+        raise ValueError(f"{self.name}: its selection is not a per-token score, so it has no head-adaptive "
+                         "budget (--kv-head-budget uniform)")
+
     def compress_segment(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,
         q_positions: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> CompressedChunk:
         """The segment's n chunks (batched, leading dim n): segment_keep()'s rows, k_l per chunk."""
         rows = check_segment(self, k, v, positions)
+        if self.head_adaptive:
+            return self.compress_segment_adaptive(layer_id, k, v, q, q_positions, positions.to(k.device), rows)
         keep = self.segment_keep(layer_id, k, v, q, q_positions, positions.to(k.device))  # [H, n * k_l]
         idx = deal(keep, rows, self.rows(layer_id))  # [n, k_l, H]
         gather = idx.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
@@ -112,6 +133,27 @@ class TokenDropCompressor(KVCompressor):
                 "k": torch.gather(k, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
                 "v": torch.gather(v, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
                 "idx": idx.to(torch.int16).contiguous(),
+            }
+        )
+
+    def head_safeguard(self) -> float:
+        """Head-adaptive budgets: the share of its uniform budget each head keeps first (AdaKV's alpha)."""
+        return self.config.alpha_safeguard
+
+    def compress_segment_adaptive(self, layer_id, k, v, q, q_positions, positions, n: int) -> CompressedChunk:
+        """compress_segment() with a head-adaptive budget: the layer's H_kv * kept cells by one top-k
+        over segment_scores() (head_budget.adaptive_keep), laid out in (token, head) order."""
+        scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)  # [H, S]
+        mask = adaptive_keep(scores, self.kept(layer_id, k), self.head_safeguard())
+        token, head = deal_cells(mask, n, self.rows(layer_id))  # [n, k_l, H] each
+        cell = (token * k.shape[1] + head).flatten()
+        dtype = self.config.dtype
+        return CompressedChunk(
+            {
+                "k": k.flatten(0, 1).index_select(0, cell).to(dtype).view(*token.shape, k.shape[-1]),
+                "v": v.flatten(0, 1).index_select(0, cell).to(dtype).view(*token.shape, v.shape[-1]),
+                "idx": token.to(torch.int16).contiguous(),
+                "head": head.to(torch.int8).contiguous(),
             }
         )
 

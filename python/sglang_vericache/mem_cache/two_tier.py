@@ -46,6 +46,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMP_CHUNKS = 4096
 
 
+def check_head_adaptive(compressor, name: str, segment_scope: bool) -> None:
+    """--kv-head-budget adaptive needs segment scope and one score-based token dropper (compress/head_budget.py)."""
+    from sglang_vericache.compress.token_drop import TokenDropCompressor
+
+    why = None
+    if "+" in name:
+        why = "a DROP+QUANT composition"
+    elif not isinstance(compressor, TokenDropCompressor):
+        why = "not a token dropper"
+    elif type(compressor).segment_scores is TokenDropCompressor.segment_scores:
+        why = "its selection is not a per-token score"
+    elif not segment_scope:
+        why = "page scope (a page alone keeps a uniform budget): use --kv-compress-scope segment"
+    if why is not None:
+        raise ValueError(f"--kv-head-budget adaptive: not with {name} ({why})")
+
+
 class TwoTierKV:
     """The compressed tier of a two-tier instance. Built from the server args and the model runner
     (its pools and model config); tree_cache, the two-tier radix cache built over this tier's pool,
@@ -59,8 +76,10 @@ class TwoTierKV:
         self.max_draft_tokens = args.max_draft_tokens
         self.tree_cache = None
         self.fold_pages, self.fold_seconds = 0, 0.0  # pages folded so far and the seconds it took
+        head_budget = getattr(args, "kv_head_budget", "uniform")
         cfg = CompressorConfig.from_model_config(
             args.kv_compressor, args.kv_compression_ratio, self.page_size, mc, dtype=self.kv_pool.dtype,
+            head_budget=head_budget,
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers
@@ -79,6 +98,8 @@ class TwoTierKV:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
         self.segment_scope = self.resolve_scope(args)
+        if head_budget == "adaptive":
+            check_head_adaptive(self.compressor, args.kv_compressor, self.segment_scope)
         self.segment_pages = args.kv_compress_segment_tokens // self.page_size
         self.recent_window = args.kv_recent_window
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]

@@ -170,6 +170,8 @@ class CudaGraphRunner:
         name = getattr(comp.compressor, "name", "")
         if not all(lay.kind == "token_drop" or name in QUANTIZED_KINDS for lay in comp.layouts):
             return False  # a layer on the torch path (e.g. fp8 chunks)
+        if any(s.name == "head" for lay in comp.layouts for s in lay.tensors):
+            return False  # head-tagged cells (--kv-head-budget adaptive): the torch path reads them
         if ctx.new_kv == "draft" and max(len(s) for s in ctx.draft_slots) > self.max_draft_rows:
             return False
         return max(len(c) for c in ctx.comp_ids) <= self._chunk_cap(comp)

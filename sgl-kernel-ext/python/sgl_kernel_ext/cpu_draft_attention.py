@@ -81,7 +81,8 @@ def compressed_layer(
         return CompressedLayer("rotatekv", bits, (*(buffers[n] for n in ROTATEKV_NAMES), *tables),
                                tuple(int(x) for x in rotation))
     if layout_kind == "token_drop" and {"k", "v"} <= names:
-        return CompressedLayer("token_drop", 0, (buffers["k"], buffers["v"]))
+        tags = (buffers["head"],) if "head" in names else ()  # head-adaptive budgets: each cell's KV head
+        return CompressedLayer("token_drop", 0, (buffers["k"], buffers["v"], *tags))
     if layout_kind != "quantized":
         return None
     k = buffers.get("k")

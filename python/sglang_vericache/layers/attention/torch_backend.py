@@ -42,6 +42,7 @@ from sglang_vericache.layers.attention.base import AttentionBackend
 from sglang_vericache.layers.attention.cpu_decode import CpuDecodePlan, cpu_decode_plan
 from sglang_vericache.layers.attention.draft_kernel import fused_draft_attention, fused_draft_available
 from sglang_vericache.layers.attention.draft_metadata import DraftMetadata, build_draft_metadata, windowed_draft
+from sglang_vericache.layers.attention.head_tagged import tagged_draft_attention
 from sglang_vericache.layers.attention.sliding_window import windowed
 from sglang_vericache.layers.attention.staged_metadata import StagedMetadata, staged_context
 from sglang_vericache.layers.attention.torch_attend import (
@@ -234,11 +235,16 @@ class TorchNativeAttnBackend(AttentionBackend):
                 return out
         layout = ctx.compressed_pool.layouts[lid]
         ci = md.compressed_index(layout)
+        bufs = ctx.compressed_pool.buffers[lid]
+        if "head" in bufs and ci.valid.shape[1]:  # head-adaptive budgets: cells tagged with their KV head
+            rest = [(exact.get_key_buffer(lid), exact.get_value_buffer(lid), md.tail_flat)]
+            if md.draft_flat is not None:
+                rest.append((ctx.draft_pool.get_key_buffer(lid), ctx.draft_pool.get_value_buffer(lid), md.draft_flat))
+            return tagged_draft_attention(q, layer, bufs, ci, md, rest, self.deterministic, self.invariant_kernel)
         # (K source, V source, position-major flat index) per part; sources are [rows, Hkv, D]
         parts = []
         if ci.valid.shape[1]:
             if layout.kind == "token_drop":  # rows stored as they were (exact dtype): gather them
-                bufs = ctx.compressed_pool.buffers[lid]
                 parts.append((bufs["k"].flatten(0, 1), bufs["v"].flatten(0, 1), ci.flat_index))
             else:  # quantized: dequantize (float32) each distinct chunk once
                 parts.append((*ctx.compressed_pool.decompress(lid, ci.chunk_ids), ci.flat_index))

@@ -267,7 +267,8 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         if hasattr(quant, "stage"):  # DROP+QUANT: this layer's quantizer (of its kept-row count)
             quant = quant.stage(lid)
         name = getattr(quant, "name", "")
-        if layout.kind != "token_drop" and name not in QUANTIZED_KINDS + PREROPE_KINDS:
+        tagged = any(s.name == "head" for s in layout.tensors)  # head-adaptive cells: the torch path reads them
+        if tagged or (layout.kind != "token_drop" and name not in QUANTIZED_KINDS + PREROPE_KINDS):
             return self._torch_draft(q, k, v, layer, fb, md, save_kv_cache)  # e.g. fp8 chunks
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         exact = fb.token_to_kv_pool

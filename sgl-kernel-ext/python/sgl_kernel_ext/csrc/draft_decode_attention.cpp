@@ -23,7 +23,9 @@
 // fixed_chunk_attention.cpp).
 //
 //   q           [B, H, D] float32 (contiguous); round_to 0 none, 1 bfloat16, 2 float16
-//   comp        kind 0 token_drop: [k, v] rows [NC, R, Hkv, D] (float32 / bfloat16 / float16)
+//   comp        kind 0 token_drop: [k, v] rows [NC, R, Hkv, D] (float32 / bfloat16 / float16), or [k, v, head]
+//                 with head-adaptive budgets: head [NC, R, Hkv] int8 names the KV head of each cell's token (KV
+//                 head h attends to its cells in storage order: chunk, row, column)
 //               kind 1 int8, 2 fp8: [k, k_scale, v, v_scale] codes [NC, T, Hkv, D] int8 / uint8
 //                 (fp8 bytes), scales [NC, T, Hkv] float16
 //               kind 3 kivi: [k, k_scale, k_zero, v, v_scale, v_zero] codes [NC, T, Hkv, D*bits/8]
@@ -226,8 +228,9 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
 
   check_index(chunk_ids, chunk_lens, sh.B, "chunk");
   static const size_t want_of[] = {2, 4, 4, 6, 17, 11};
-  TORCH_CHECK(kind >= TOKEN_DROP && kind <= ROTATEKV && comp.size() == want_of[kind],
-              "draft_decode_attention: kind 0-5 with 2, 4, 4, 6, 17 or 11 compressed tensors");
+  const bool tagged = kind == TOKEN_DROP && comp.size() == 3;
+  TORCH_CHECK(kind >= TOKEN_DROP && kind <= ROTATEKV && (comp.size() == want_of[kind] || tagged),
+              "draft_decode_attention: kind 0-5 with 2 (or 3), 4, 4, 6, 17 or 11 compressed tensors");
   TORCH_CHECK(params.size() == (kind == ROTATEKV ? 2u : 0u), "draft_decode_attention: params must be "
               "[key_heads, block] for rotatekv, empty otherwise");
   for (const auto& t : comp) TORCH_CHECK(t.is_contiguous(), "draft_decode_attention: compressed tensors must be contiguous");
@@ -249,6 +252,13 @@ at::Tensor draft_decode_attention(const at::Tensor& q, int64_t kind, int64_t bit
     TORCH_CHECK(ck.size(3) == sh.D && cv.size(3) == sh.Dv && ck.scalar_type() == cv.scalar_type(),
                 "draft_decode_attention: token-drop rows must be [NC, R, Hkv, D] of one dtype");
     cp.elem = elem_of(ck, "token-drop rows");
+    if (tagged) {
+      const at::Tensor& hd = comp[2];
+      TORCH_CHECK(hd.scalar_type() == at::kChar && hd.dim() == 3 && hd.size(0) == nc && hd.size(1) == R &&
+                      hd.size(2) == sh.Hkv,
+                  "draft_decode_attention: token-drop head tags must be int8 [NC, R, Hkv]");
+      cp.head = hd.data_ptr<int8_t>();
+    }
   } else if (kind == INT8 || kind == FP8) {
     const auto code = kind == INT8 ? at::kChar : at::kByte;
     TORCH_CHECK(ck.scalar_type() == code && cv.scalar_type() == code && ck.size(3) == sh.D && cv.size(3) == sh.Dv,

@@ -158,9 +158,17 @@ __attribute__((noinline)) void attend_item(const float* q, const Compressed& cp,
                                            const Shape& sh, float scale, int64_t b, int64_t hk0, int64_t nh,
                                            float* out, Scratch& st) {
   const int64_t D = sh.D, Dv = sh.Dv, G = sh.G, QH = nh * G;
-  const int64_t n_comp = cp.lens[b] * cp.rows, n_tail = tail.lens[b];
-  const int64_t n = n_comp + n_tail + (draft.lens ? draft.lens[b] : 0);
   const int64_t* ids = cp.ids + b * cp.width;
+  const bool tagged = cp.head != nullptr;  // token drop, head-adaptive: KV head hk0's cells (nh == 1)
+  if (tagged) {
+    st.cells.clear();
+    const int64_t per_chunk = cp.rows * sh.Hkv;
+    for (int64_t c = 0; c < cp.lens[b]; ++c)
+      for (int64_t at = ids[c] * per_chunk, e = at + per_chunk; at < e; ++at)
+        if (cp.head[at] == hk0) st.cells.push_back(at);
+  }
+  const int64_t n_comp = tagged ? static_cast<int64_t>(st.cells.size()) : cp.lens[b] * cp.rows, n_tail = tail.lens[b];
+  const int64_t n = n_comp + n_tail + (draft.lens ? draft.lens[b] : 0);
   const int64_t* tail_slots = tail.index + b * tail.width;
   const int64_t* draft_slots = draft.lens ? draft.index + b * draft.width : nullptr;
   const bool scored = key_scores_apply(cp, sh) && key_scores_request(cp, b);  // scored_item takes its compressed rows
@@ -180,7 +188,7 @@ __attribute__((noinline)) void attend_item(const float* q, const Compressed& cp,
   };
   const bool segments = kvquant_segments(cp, sh);  // kvquant rows a segment (of one chunk) at a time
   if (scored) scored_item(cp, sh, b, hk0, nh, st);  // the compressed rows: the loop below starts past them
-  else for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
+  else if (!tagged) for (int64_t a = 0; a < std::min(n_comp, PREFETCH_ROWS); ++a) ahead();
   const float** kp = st.kp.data();  // [nh][CHUNK]
   const float** vp = st.vp.data();
   const bool fold = folds_values<TO> && cp.kind == ROTATEKV;  // values summed in the rotated basis (above)
@@ -191,7 +199,14 @@ __attribute__((noinline)) void attend_item(const float* q, const Compressed& cp,
       const int64_t i = c0 + c;
       float* kd = st.kbuf.data() + c * D;  // head hh's rows at + hh * CHUNK * D
       float* vd = st.vbuf.data() + c * Dv;
-      if (i < n_comp && segments) {  // the rest of this window's rows of the chunk at the cursor, at once
+      if (i < n_comp && tagged) {  // cell cells[i]: its row as stored, prefetching PREFETCH_ROWS cells ahead
+        if (i + PREFETCH_ROWS < n_comp) {
+          prefetch_bytes(cp.k, st.cells[i + PREFETCH_ROWS] * cp.row_bytes[0], cp.row_bytes[0]);
+          prefetch_bytes(cp.v, st.cells[i + PREFETCH_ROWS] * cp.row_bytes[1], cp.row_bytes[1]);
+        }
+        kp[c] = exact_row(cp.k, cp.elem, st.cells[i] * D, D, kd);
+        vp[c] = exact_row(cp.v, cp.elem, st.cells[i] * Dv, Dv, vd);
+      } else if (i < n_comp && segments) {  // the rest of this window's rows of the chunk at the cursor, at once
         const int64_t seg = std::min({cn - c, cp.rows - j, n_comp - i});
         for (int64_t r = 0; r < seg && ahead_chunk < cp.lens[b]; ++r) ahead();
         kvquant_rows<TO>(cp, sh, ids[chunk], j, j + seg, hk0, kd, vd, st);

@@ -156,6 +156,9 @@ struct Compressed {
   int64_t width;
   const int64_t* lens;
   Rotated rt;
+  // token drop with head-adaptive budgets: [NC, R, Hkv] int8, the KV head whose token each cell (row, column)
+  // holds (KV head h attends to the cells tagged h, in storage order); null: cell (row, h) is head h's
+  const int8_t* head = nullptr;
   int64_t row_bytes[2] = {0, 0};  // bytes of one (row, head)'s K / V codes or rows
   int64_t scale_width[4] = {0, 0, 0, 0};  // float16 [k_scale, k_zero, v_scale, v_zero] per (row, head)
 };
@@ -190,6 +193,7 @@ struct Scratch {
   // [nh * D, 16]; kivi_key_scores: q . zero [T / key_group, G]
   std::vector<float> ksc, kzr, xbuf, zsc;
   std::vector<int32_t> vo_j, vo_d;
+  std::vector<int64_t> cells;  // head-tagged token drop: the work item's cells, (chunk id * R + row) * Hkv + column
   int64_t vo_n = 0;
   Scratch(const Shape& sh, int64_t rows)
       : qf(sh.H * sh.D), kbuf(sh.Hkv * CHUNK * sh.D), vbuf(sh.Hkv * CHUNK * sh.Dv), zero(sh.D, 0.f), s(2 * CHUNK),
