@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_vericache.layers.attention.torch_attend import gather_into, grouped_sdpa, invariant_kernel
+from sglang_vericache.layers.attention.torch_attend import gather_parts, grouped_sdpa, invariant_kernel
 
 if TYPE_CHECKING:
     from sglang_vericache.layers.attention.draft_metadata import CompressedIndex, DraftMetadata
@@ -32,14 +32,7 @@ def tagged_draft_attention(q, layer, bufs: dict, ci: CompressedIndex, md: DraftM
     k_cells = bufs["k"].view(-1, 1, d).expand(-1, hkv, -1)  # cell i's row, seen by every head
     v_cells = bufs["v"].view(-1, 1, dv).expand(-1, hkv, -1)
     parts = [(k_cells, v_cells, cell.T.reshape(-1)), *rest]
-    s = sum(len(p[2]) for p in parts) // bs
-    k_ctx = torch.empty((s * bs, hkv, d), dtype=q.dtype, device=q.device)
-    v_ctx = torch.empty((s * bs, hkv, dv), dtype=q.dtype, device=q.device)
-    row = 0
-    for k_src, v_src, flat in parts:
-        gather_into(k_ctx[row : row + len(flat)], k_src, flat)
-        gather_into(v_ctx[row : row + len(flat)], v_src, flat)
-        row += len(flat)
+    k_ctx, v_ctx, s = gather_parts(parts, bs, q)
     rest_valid = [md.tail_valid] + ([md.draft_valid] if md.draft_valid is not None else [])
     rest_allowed = torch.cat(rest_valid, 1)[:, None, :].expand(-1, hkv, -1)
     allowed = torch.cat([comp_allowed, rest_allowed], 2)  # [B, H_kv, S]

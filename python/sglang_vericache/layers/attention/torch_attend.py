@@ -132,6 +132,22 @@ def grouped_sdpa(
     return out.view(bs, hkv, g, q_len, -1).permute(0, 3, 1, 2, 4).reshape(bs * q_len, -1)
 
 
+def gather_parts(parts: list, bs: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(K source, V source, position-major flat index) per part, sources [rows, Hkv, D] -> the context
+    k_ctx, v_ctx [S * bs, Hkv, D] in q's dtype, position-major (key j of request b is row j * bs + b), and S.
+    Each part is gathered straight into its slice (no concat)."""
+    s = sum(len(p[2]) for p in parts) // bs
+    k_src0, v_src0, _ = parts[0]
+    k_ctx = torch.empty((s * bs, *k_src0.shape[1:]), dtype=q.dtype, device=q.device)
+    v_ctx = torch.empty((s * bs, *v_src0.shape[1:]), dtype=q.dtype, device=q.device)
+    row = 0
+    for k_src, v_src, flat in parts:
+        gather_into(k_ctx[row : row + len(flat)], k_src, flat)
+        gather_into(v_ctx[row : row + len(flat)], v_src, flat)
+        row += len(flat)
+    return k_ctx, v_ctx, s
+
+
 def gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
     """out[i] = src[index[i]] (out contiguous), converting dtype if needed."""
     if len(index) == 0:

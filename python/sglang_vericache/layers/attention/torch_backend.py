@@ -47,7 +47,7 @@ from sglang_vericache.layers.attention.sliding_window import windowed
 from sglang_vericache.layers.attention.staged_metadata import StagedMetadata, staged_context
 from sglang_vericache.layers.attention.torch_attend import (
     cpu_kernel_available,
-    gather_into,
+    gather_parts,
     grouped_sdpa,
     invariant_attend,
     invariant_context,
@@ -252,15 +252,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if md.draft_flat is not None:
             draft = ctx.draft_pool
             parts.append((draft.get_key_buffer(lid), draft.get_value_buffer(lid), md.draft_flat))
-        # Position-major [S, B, Hkv, D]: each part is gathered straight into its slice (no concat).
-        s = sum(len(p[2]) for p in parts) // bs
-        k_ctx = torch.empty((s * bs, hkv, d), dtype=q.dtype, device=q.device)
-        v_ctx = torch.empty((s * bs, hkv, dv), dtype=q.dtype, device=q.device)
-        row = 0
-        for k_src, v_src, flat in parts:
-            gather_into(k_ctx[row : row + len(flat)], k_src, flat)
-            gather_into(v_ctx[row : row + len(flat)], v_src, flat)
-            row += len(flat)
+        k_ctx, v_ctx, s = gather_parts(parts, bs, q)  # position-major [S, B, Hkv, D]
         mask = md.mask(layout)  # [B, 1, 1, S] or None
         if self.deterministic:  # key j of request b is row j * bs + b of the context
             index = torch.arange(s * bs, device=q.device).view(s, bs).T
