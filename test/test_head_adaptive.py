@@ -14,7 +14,8 @@ from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import random_prompts, run_batch
+from test_segment_compression import spiky_segment  # the same spiky segment, 4 queries after it
 
 T, H_KV, H_Q, D = 8, 2, 4, 16
 
@@ -38,25 +39,11 @@ def test_adaptive_keep_is_one_top_k_over_heads_after_each_heads_safeguard():
     assert token.flatten().tolist() == [0, 1, 2, 3, 3, 4] and head.flatten().tolist() == [0, 0, 0, 0, 1, 0]
 
 
-def spiky_segment(hot: dict[int, list[int]], pages: int = 4, seed: int = 0):
-    """k, v [pages * T, H_KV, D] of small random keys but head h's keys at hot[h], which point along the
-    queries (4 queries after the segment): those draw the attention."""
-    g = torch.Generator().manual_seed(seed)
-    s = pages * T
-    k = torch.randn(s, H_KV, D, generator=g) * 0.01
-    v = torch.randn(s, H_KV, D, generator=g)
-    for h, rows in hot.items():
-        k[rows, h, 0] = 4.0
-    q = torch.zeros(4, H_Q, D)
-    q[..., 0] = 4.0
-    return k, v, q, torch.arange(s, s + 4), torch.arange(s)
-
-
 def test_snapkv_adaptive_gives_the_spread_head_more_cells_and_stores_each_cells_head():
     """Head 0 spreads its attention over 6 tokens, head 1 over 2: a uniform budget of 4 per head drops two of
     head 0's; the adaptive one keeps all 6 of head 0's and head 1's 2, in 4 chunks of 1 row x 2 heads."""
     hot = {0: [2, 5, 9, 14, 21, 30], 1: [7, 19]}
-    k, v, q, q_pos, pos = spiky_segment(hot)
+    k, v, q, q_pos, pos = spiky_segment(hot, queries=4)
     uniform = get_compressor("snapkv", config("snapkv", kernel_size=1, window_size=4))
     adaptive = get_compressor("snapkv", config("snapkv", kernel_size=1, window_size=4, head_budget="adaptive",
                                                alpha_safeguard=0.25))
@@ -73,7 +60,7 @@ def test_snapkv_adaptive_gives_the_spread_head_more_cells_and_stores_each_cells_
 
 
 def test_full_safeguard_keeps_the_uniform_sets():
-    k, v, q, q_pos, pos = spiky_segment({0: [2, 5, 9, 14, 21, 30], 1: [7, 19]}, seed=3)
+    k, v, q, q_pos, pos = spiky_segment({0: [2, 5, 9, 14, 21, 30], 1: [7, 19]}, seed=3, queries=4)
     uniform = get_compressor("expected_attention", config("expected_attention"))
     adaptive = get_compressor("expected_attention", config("expected_attention", head_budget="adaptive",
                                                            alpha_safeguard=1.0))
@@ -84,7 +71,7 @@ def test_full_safeguard_keeps_the_uniform_sets():
 
 
 def test_methods_without_a_score_refuse_adaptive_budgets():
-    k, v, q, q_pos, pos = spiky_segment({0: [1], 1: [2]})
+    k, v, q, q_pos, pos = spiky_segment({0: [1], 1: [2]}, queries=4)
     for name in ("h2o", "streamingllm"):
         comp = get_compressor(name, config(name, head_budget="adaptive"))
         with pytest.raises(ValueError, match="not a per-token score"):
@@ -178,14 +165,7 @@ def llama(tmp_path_factory):
 
 
 def run(path, dtype, page_size=8, **server):
-    g = torch.Generator().manual_seed(5)
-    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=page_size,
-                                 enable_deterministic_inference=True, **server))
-    reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
-            for i, ids in enumerate(batch)]
-    res = run_to_completion(sched, reqs)
-    return [res[f"r{i}"] for i in range(len(batch))], sched
+    return run_batch(path, random_prompts(PROMPT_LENS, seed=5), NEW, dtype=dtype, page_size=page_size, **server)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,9 @@ def config(name: str, ratio: float = 8, layers: int = 1, **options) -> Compresso
                             num_q_heads=H_Q, head_dim=D, dtype=torch.float32, **options)
 
 
-def spiky_segment(hot: dict[int, list[int]], pages: int = 4, seed: int = 0):
+def spiky_segment(hot: dict[int, list[int]], pages: int = 4, seed: int = 0, queries: int = 3):
     """k, v [pages * T, H_KV, D] of small random keys, except that head h's keys at hot[h] point
-    along channel 0 (scaled up), and queries [3, H_Q, D] at positions after the segment that point
+    along channel 0 (scaled up), and queries [queries, H_Q, D] at positions after the segment that point
     along channel 0 too: they attend to the hot keys and hardly anywhere else."""
     g = torch.Generator().manual_seed(seed)
     s = pages * T
@@ -33,9 +33,9 @@ def spiky_segment(hot: dict[int, list[int]], pages: int = 4, seed: int = 0):
     v = torch.randn(s, H_KV, D, generator=g)
     for h, rows in hot.items():
         k[rows, h, 0] = 4.0
-    q = torch.zeros(3, H_Q, D)
+    q = torch.zeros(queries, H_Q, D)
     q[..., 0] = 4.0
-    return k, v, q, torch.arange(s, s + 3), torch.arange(s)
+    return k, v, q, torch.arange(s, s + queries), torch.arange(s)
 
 
 def test_snapkv_keeps_the_top_k_over_the_whole_segment_not_k_of_every_page():

@@ -5,12 +5,10 @@ deterministic full mode's bitwise, in bfloat16 and float32, and every draft laye
 from __future__ import annotations
 
 import pytest
-import torch
 
-from sglang_vericache.managers.scheduler import Scheduler
-from sglang_vericache.server_args import ServerArgs, bundled_model_path
+from sglang_vericache.server_args import bundled_model_path
 from sglang_vericache.testing.random_checkpoints import make_random_checkpoint
-from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
+from sglang_vericache.testing.scheduler_harness import random_prompts, run_batch
 
 PROMPT_LENS = [40, 71, 9, 33]
 NEW = 16
@@ -22,14 +20,7 @@ def llama(tmp_path_factory):
 
 
 def run(path, dtype="bfloat16", page_size=8, **server):
-    g = torch.Generator().manual_seed(3)
-    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=page_size,
-                                 enable_deterministic_inference=True, **server))
-    reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)
-            for i, ids in enumerate(batch)]
-    res = run_to_completion(sched, reqs)
-    return [res[f"r{i}"] for i in range(len(batch))], sched
+    return run_batch(path, random_prompts(PROMPT_LENS, seed=3), NEW, dtype=dtype, page_size=page_size, **server)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 from sglang_vericache.managers.io_struct import AbortReq, SchedulerError, TokenizedGenerateReqInput
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.sampling.sampling_params import SamplingParams
+from sglang_vericache.server_args import ServerArgs
 
 
 @dataclass
@@ -74,6 +75,17 @@ def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of random ids in [3, 400) (below any special token of the test checkpoints)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 400, (n,), generator=g).tolist() for n in lens]
+
+
+def run_batch(model_path: str, prompts: list[list[int]], max_new_tokens: int, **server) -> tuple[list, Scheduler]:
+    """A deterministic scheduler over model_path (ServerArgs from **server) given every prompt at once, greedy,
+    ignore_eos, with logprobs -> (each prompt's result, the scheduler)."""
+    sched = Scheduler(ServerArgs(model_path=model_path, skip_tokenizer_init=True, enable_deterministic_inference=True,
+                                 **server))
+    reqs = [make_request(f"r{i}", ids, max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0,
+                         return_logprob=True) for i, ids in enumerate(prompts)]
+    res = run_to_completion(sched, reqs)
+    return [res[r.rid] for r in reqs], sched
 
 
 def greedy_outputs(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
