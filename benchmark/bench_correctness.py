@@ -47,6 +47,24 @@ from sglang_vericache.testing.scheduler_harness import make_request, run_to_comp
 DATA = Path(__file__).parent / "data"
 # The HumanEval harness's stop strings (Codex paper): the body ends where top-level code starts.
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
+# --humaneval-format chat (evalplus's instruct prompt and response prefix): the problem in a user turn,
+# the assistant's answer opened with a code block the model writes the whole function into; the
+# block's closing fence ends it, and the program is the prompt, then that function (which replaces
+# the prompt's body-less one).
+CHAT_INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown "
+                    "code block:\n```\n{prompt}\n```")
+CHAT_PREFIX = ("Below is a Python script with a self-contained function that solves the problem and passes "
+               "corresponding tests:\n```python\n")
+CHAT_STOP = ["```"]
+
+
+def humaneval_ids(tok, problem: dict, fmt: str) -> list[int]:
+    """The token ids a HumanEval problem is given as: its raw prompt, or (chat) the instruct model's turn."""
+    if fmt == "raw":
+        return tok(problem["prompt"]).input_ids
+    turn = tok.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem["prompt"])}],
+                                   add_generation_prompt=True, tokenize=False)
+    return tok(turn + CHAT_PREFIX, add_special_tokens=False).input_ids
 
 
 def modes_of(args) -> dict[str, dict]:
@@ -58,7 +76,8 @@ def modes_of(args) -> dict[str, dict]:
     for comp, ratio in dict.fromkeys(pairs):
         for kind in ("lossy", "vericache"):
             if kind == "lossy" and ratio is not None and ratio not in args.ratios \
-                    or kind == "vericache" and ratio is not None and ratio not in args.vericache_ratios:
+                    or kind == "vericache" and (ratio is not None and ratio not in args.vericache_ratios
+                                                or comp not in (args.vericache_compressors or args.compressors)):
                 continue
             flags = {"kv_compressor": comp, "kv_compression_ratio": ratio or 4.0}
             if kind == "vericache":
@@ -89,7 +108,7 @@ def run(model_path: str, server: dict, he_ids, tool_ids, plans, args) -> dict:
     sched = Scheduler(ServerArgs(model_path=model_path, dtype=args.dtype, page_size=args.page_size,
                                  max_running_requests=len(he_ids) + len(tool_ids),
                                  max_total_tokens=total + 64 * (len(he_ids) + len(tool_ids)), **server))
-    reqs = [make_request(f"he{i}", ids, max_new_tokens=args.max_new_tokens, temperature=0.0, stop=STOP)
+    reqs = [make_request(f"he{i}", ids, max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stops_of(args))
             for i, ids in enumerate(he_ids)]
     reqs += [make_request(f"tool{i}", ids, max_new_tokens=args.tool_max_tokens, temperature=0.0,
                           **({"json_schema": plan.json_schema} if plan.constrained else {}))
@@ -124,11 +143,15 @@ def trace_row(server: dict, rounds: list) -> dict:
             "round_trace": rounds}
 
 
-def completion_of(tok, ids: list[int]) -> str:
+def stops_of(args) -> list[str]:
+    return CHAT_STOP if args.humaneval_format == "chat" else STOP
+
+
+def completion_of(tok, ids: list[int], stops: list[str]) -> str:
     """Output text cut at the first stop string (the harness's post-processing)."""
     text = tok.decode(ids, skip_special_tokens=True)
-    cut = min([text.find(s) for s in STOP if s in text], default=len(text))
-    return text[:cut]
+    cut = min([text.find(s) for s in stops if s in text], default=len(text))
+    return text[:cut] if stops is STOP else "\n" + text[:cut]  # chat: a whole function after the prompt
 
 
 def parses(prompt: str, completion: str) -> bool:
@@ -199,8 +222,11 @@ def table(report: dict) -> str:
     lines = [
         f"# Correctness under full, lossy and VeriCache KV: {Path(a['model_path']).name}, {a['dtype']}", "",
         f"Machine: {report['machine']}. Command: `{report['command']}`", "",
-        f"HumanEval: {report['humaneval_subset']}; greedy, at most {a['max_new_tokens']} new tokens, cut at "
-        f"{', '.join(repr(s) for s in STOP)}. Tool calls: {report['tool_calls']} requests of "
+        f"HumanEval: {report['humaneval_subset']}; "
+        + ("each in the chat template with evalplus's instruct prompt (the answer opened with a ```python block the "
+           "model writes the whole function into; the program is the prompt, then that function)" if a.get("humaneval_format", "raw") == "chat" else "the raw prompt")
+        + f"; greedy, at most {a['max_new_tokens']} new tokens, cut at "
+        f"{', '.join(repr(s) for s in (CHAT_STOP if a.get('humaneval_format', 'raw') == 'chat' else STOP))}. Tool calls: {report['tool_calls']} requests of "
         f"benchmark/data/tool_calls.json as /v1/chat/completions serves them (tool_choice {a['tool_choice']!r}, "
         f"parallel_tool_calls {a.get('parallel_tool_calls', True)}, parser {a['tool_call_parser']}, at most "
         f"{a['tool_max_tokens']} tokens). VeriCache rounds: "
@@ -265,12 +291,18 @@ def main() -> None:
                    help="Lossy ratios of the token-dropping compressors (quantizers have their own; default: 2 4 8).")
     p.add_argument("--vericache-ratios", type=float, nargs="+", default=[4],
                    help="VeriCache ratios of the token-dropping compressors (default: 4).")
+    p.add_argument("--vericache-compressors", nargs="+", default=None,
+                   help="Compressors that also run a VeriCache mode (default: every one of --compressors).")
     p.add_argument("--draft-tokens", type=int, default=16, help="VeriCache draft tokens per round X (default: 16).")
     p.add_argument("--vericache-schedule", default="lockstep", choices=("adaptive", "lockstep", "staggered"),
                    help="VeriCache schedule; lockstep makes every request run rounds (default: lockstep).")
     p.add_argument("--page-size", type=int, default=32, help="Page = compression chunk size (default: 32).")
     p.add_argument("--humaneval-problems", type=int, default=164,
                    help="The first N HumanEval problems (default: all 164).")
+    p.add_argument("--humaneval-format", default="chat", choices=("chat", "raw"),
+                   help="chat: each problem in the model's chat template with evalplus's instruct prompt, the answer "
+                        "opened with a code block the model writes the function into; raw: the bare prompt, the model "
+                        "writes the body (default: chat).")
     p.add_argument("--max-new-tokens", type=int, default=256, help="HumanEval tokens per problem (default: 256).")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="Seconds per HumanEval test run (default: 5).")
     p.add_argument("--tool-calls", type=int, default=None, help="The first N tool calls (default: all 60).")
@@ -294,7 +326,7 @@ def main() -> None:
     calls = data["calls"][: args.tool_calls]
     tok = get_tokenizer(args.model_path)
     template = Path(args.chat_template).read_text()
-    he_ids = [tok(p["prompt"]).input_ids for p in problems]
+    he_ids = [humaneval_ids(tok, p, args.humaneval_format) for p in problems]
     tool_ids, plans = zip(*(tool_prompt(tok, template, c, tools, args) for c in calls))
     subset = ("all 164 problems" if len(problems) == 164
               else f"the first {len(problems)} of the 164 problems (HumanEval/0 to HumanEval/{len(problems) - 1})")
@@ -305,7 +337,7 @@ def main() -> None:
               "workload": f"HumanEval ({subset}) and {len(calls)} tool calls in one batch", "rows": []}
     for name, server in tqdm(modes_of(args).items(), desc="modes"):
         out = run(args.model_path, server, he_ids, tool_ids, plans, args)
-        completions = [completion_of(tok, ids) for ids in out["he_ids"]]
+        completions = [completion_of(tok, ids, stops_of(args)) for ids in out["he_ids"]]
         passed = score_humaneval(problems, completions, cache, args.exec_timeout)
         tool_outs = [tool_output(tok, ids, plan, args.tool_call_parser) for ids, plan in zip(out["tool_ids"], plans)]
         row = summarize(name, out, problems, completions, passed, tool_outs, calls, full)

@@ -5,10 +5,13 @@ mode bitwise in bfloat16, greedy and seeded."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from sglang_vericache.compress import CompressorConfig
+from sglang_vericache.compress.base import surrogate_owner, surrogate_path
 from sglang_vericache.compress.kvzap import SURROGATE_FILE, KVzapCompressor, KVzapSurrogate
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path
@@ -55,6 +58,20 @@ def test_a_checkpoint_without_a_surrogate_is_refused_with_the_recipe(tmp_path):
     assert comp.layout(0).rows == 2
     with pytest.raises(ValueError, match=r"has no KVzap surrogate .*recipes/kvzap/train.py --model-path"):
         comp.surrogate  # noqa: B018 (TwoTierKV reads it at startup)
+
+
+def test_a_gguf_files_surrogate_sits_beside_it_named_after_it(tmp_path):
+    gguf = str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = surrogate_path(gguf)
+    assert path == str(tmp_path / "kvzap" / "SmolLM2-135M-Instruct.Q4_1.safetensors")
+    assert surrogate_owner(path) == gguf
+    assert surrogate_path(str(tmp_path)) == str(tmp_path / SURROGATE_FILE)
+    assert surrogate_owner(surrogate_path(str(tmp_path))) == str(tmp_path)
+    cfg = CompressorConfig("kvzap", 4, chunk_size=8, num_layers=1, num_kv_heads=1, num_q_heads=1, head_dim=4,
+                           kvzap_path=path)
+    with pytest.raises(ValueError, match=re.escape(f"{gguf} has no KVzap surrogate ({path}); train one with "
+                                                   f"`python recipes/kvzap/train.py --model-path {gguf}`")):
+        KVzapCompressor(cfg).surrogate  # noqa: B018
 
 
 def run(**server):

@@ -1,9 +1,10 @@
 """Train KVzap's surrogate (compress/kvzap.py) for a checkpoint: collect our kvzip's scores on the
 bundled model's own training text, fit a per-layer linear model and a 2-layer MLP from the layer's
 hidden states to the log score, report both on held-out text, and save the better one as
-<model>/kvzap/surrogate.safetensors (with kvzap/eval.json).
+<model>/kvzap/surrogate.safetensors (with kvzap/eval.json; beside a .gguf file: kvzap/<stem>.safetensors
+and kvzap/<stem>.eval.json).
 
-    PYTHONPATH=python .venv/bin/python recipes/kvzap/train.py                 # the bundled model
+    PYTHONPATH=python .venv/bin/python recipes/kvzap/train.py                 # the served default model
     PYTHONPATH=python .venv/bin/python recipes/kvzap/train.py --model-path DIR --train-files 8
 
 Data: the corpus manifest's train files (recipes/code_model; the stdlib of this machine's Python),
@@ -11,7 +12,8 @@ the first --tokens-per-file tokens of each file that long, prefilled in float32;
 kvzip's reconstruction pass (compress/kvzip_reconstruction.py) and its scores
 (kvzip.reconstruction_scores) per layer and KV head are the targets (log, sinks excluded), and the
 hidden states entering each layer's attention are the inputs. Held-out: the manifest's held-out
-files (the benchmarks' prompts come from them). Deterministic (--seed, 2 threads). CI never runs it.
+files (the benchmarks' prompts come from them). A checkpoint without a manifest (a .gguf file) reads
+the bundled model's. Deterministic (--seed, 2 threads). CI never runs it.
 """
 
 from __future__ import annotations
@@ -27,16 +29,21 @@ from pathlib import Path
 
 import torch
 
-from sglang_vericache.compress.kvzap import SURROGATE_FILE, KVzapSurrogate
+from sglang_vericache.compress.base import surrogate_path
+from sglang_vericache.compress.kvzap import KVzapSurrogate
+from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.kvzip import reconstruction_scores
 from sglang_vericache.model_executor.model_runner import ModelRunner
 from sglang_vericache.compress.kvzip_reconstruction import ReconstructionRunner, repeat_prompts
-from sglang_vericache.server_args import ServerArgs, default_model_path
+from sglang_vericache.server_args import ServerArgs, bundled_model_path, default_model_path
 from sglang_vericache.testing.forward_batches import new_req, prepare_forward_batch
 
 
 def manifest_files(model_path: str, split: str) -> list[Path]:
-    manifest = json.loads((Path(model_path) / "corpus_manifest.json").read_text())
+    """The split's stdlib files from the checkpoint's corpus manifest, else the bundled model's (a
+    checkpoint trained elsewhere, e.g. a .gguf file, gets the benchmarks' own train / held-out split)."""
+    own = Path(model_path) / "corpus_manifest.json"
+    manifest = json.loads((own if own.exists() else Path(bundled_model_path()) / "corpus_manifest.json").read_text())
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return [stdlib / f["path"] for f in manifest[split]["files"] if (stdlib / f["path"]).exists()]
 
@@ -183,7 +190,8 @@ def evaluate(s: KVzapSurrogate, x, y, sink, keep_ratio: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=default_model_path(), help="Checkpoint folder (default: bundled model).")
+    ap.add_argument("--model-path", default=default_model_path(), help="Checkpoint folder or .gguf file (default: the served default model, "
+                    "SmolLM2-135M-Instruct's GGUF file).")
     ap.add_argument("--page-size", type=int, default=32, help="Page = kvzip's scoring chunk (the benchmarks' 32).")
     ap.add_argument("--train-files", type=int, default=24,
                     help="Train-split files read (manifest order, those of at least --tokens-per-file tokens).")
@@ -195,13 +203,12 @@ def main() -> None:
     ap.add_argument("--l2", type=float, default=1e-3, help="Ridge penalty of the linear model (per sample).")
     ap.add_argument("--keep-ratio", type=float, default=4.0, help="Ratio whose kept sets the report compares.")
     ap.add_argument("--seed", type=int, default=0, help="MLP initialisation and batch order.")
-    ap.add_argument("--out", default=None, help="Surrogate file (default: <model>/" + SURROGATE_FILE + ").")
+    ap.add_argument("--out", default=None, help="Surrogate file (default: where --kv-compressor kvzap looks: "
+                    "<folder>/kvzap/surrogate.safetensors, or <dir>/kvzap/<stem>.safetensors beside a .gguf file).")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(args.seed)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model_path)
+    tok = get_tokenizer(args.model_path)
     t0 = time.perf_counter()
     col = Collector(args.model_path, args.page_size, tokenizer=tok)
     train = collect(col, tok, manifest_files(args.model_path, "train"), args.tokens_per_file, "train",
@@ -228,14 +235,16 @@ def main() -> None:
         print(f"{name}: held-out Pearson r {h['pearson_r_mean']:.3f}, top-{args.keep_ratio:g}x kept-set overlap "
               f"{h['topk_overlap']:.3f} (random {h['topk_overlap_random']:.3f})")
     best = max(models, key=lambda n: report["models"][n]["heldout"]["topk_overlap"])
-    out = args.out or os.path.join(args.model_path, SURROGATE_FILE)
+    out = args.out or surrogate_path(args.model_path)
     report["shipped"] = best
     meta = {"kind": best, "page_size": str(args.page_size), "heldout_topk_overlap":
             f"{report['models'][best]['heldout']['topk_overlap']:.4f}", "recipe": "recipes/kvzap/train.py"}
     models[best].save(out, metadata=meta)
     report["bytes"] = os.path.getsize(out)
-    Path(out).with_name("eval.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out} ({report['bytes']} bytes, {best}) and {Path(out).with_name('eval.json')}")
+    name = Path(out).name
+    evals = Path(out).with_name("eval.json" if name == "surrogate.safetensors" else name.replace(".safetensors", ".eval.json"))
+    evals.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out} ({report['bytes']} bytes, {best}) and {evals}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,21 @@ SURROGATE_FILE = os.path.join("kvzap", "surrogate.safetensors")
 
 
 def surrogate_path(model_path: str | None) -> str | None:
-    return None if model_path is None else os.path.join(model_path, SURROGATE_FILE)
+    """<folder>/kvzap/surrogate.safetensors; a single .gguf file's sits beside it, named after it:
+    <dir>/kvzap/<file stem>.safetensors (one folder may hold several GGUF checkpoints)."""
+    if model_path is None:
+        return None
+    if model_path.endswith(".gguf") and not os.path.isdir(model_path):
+        folder, name = os.path.split(model_path)
+        return os.path.join(folder, "kvzap", name[: -len(".gguf")] + ".safetensors")
+    return os.path.join(model_path, SURROGATE_FILE)
+
+
+def surrogate_owner(path: str) -> str:
+    """The checkpoint (folder or .gguf file) whose surrogate_path is path."""
+    folder, name = os.path.split(path)
+    top = os.path.dirname(folder)
+    return top if name == os.path.basename(SURROGATE_FILE) else os.path.join(top, name[: -len(".safetensors")] + ".gguf")
 
 
 KVZIP_CHUNK_TOKENS = 2048  # kvzip over a segment: context tokens per replay pass (kvpress's chunk_size)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from sglang_vericache.compress.base import SURROGATE_FILE
+from sglang_vericache.compress.base import SURROGATE_FILE, surrogate_owner
 from sglang_vericache.compress.token_drop import TokenDropCompressor, top_k_indices
 
 # Under a folder of its own: the model loader reads every *.safetensors at the checkpoint's top level.
@@ -83,9 +83,8 @@ class KVzapCompressor(TokenDropCompressor):
         if self._surrogate is None:
             path = self.config.kvzap_path
             if path is None or not os.path.exists(path):
-                where = os.path.dirname(os.path.dirname(path)) if path else "the checkpoint"
-                raise ValueError(f"kvzap: {where} has no KVzap surrogate ({SURROGATE_FILE}); "
-                                 + TRAIN_HINT.format(path=where))
+                where = surrogate_owner(path) if path else "the checkpoint"
+                raise ValueError(f"kvzap: {where} has no KVzap surrogate ({path}); " + TRAIN_HINT.format(path=where))
             self._adopt(KVzapSurrogate.load(path), f"the surrogate in {path}")
         return self._surrogate
 
