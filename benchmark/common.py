@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_vericache.compress.base import KVZIP_CHUNK_TOKENS
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path
 from sglang_vericache.testing.scheduler_harness import make_request, run_to_completion
@@ -157,7 +158,9 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
              **server) -> RunResult:
     """All prompts at once through an in-process scheduler in the given mode; greedy by default."""
     # Pools sized to the workload: benchmarks build many schedulers in one process.
-    server.setdefault("max_total_tokens", sum(len(p) + max_new_tokens for p in prompts) + 64 * len(prompts))
+    # (kvzip's reconstruction pass holds a chunk's scratch slots of its own)
+    scratch = KVZIP_CHUNK_TOKENS + 256 if str(server.get("kv_compressor", "")).startswith("kvzip") else 0
+    server.setdefault("max_total_tokens", sum(len(p) + max_new_tokens for p in prompts) + 64 * len(prompts) + scratch)
     args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, **server)
     sched = Scheduler(args)
     sampling = sampling or {"temperature": 0.0}

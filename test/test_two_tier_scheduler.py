@@ -160,3 +160,16 @@ def test_a_request_longer_than_the_compressed_tier_is_refused_not_left_waiting(l
     assert err is not None and err.status_code == 400 and f"more than the {longest} tokens" in err.message
     res = run_to_completion(s, [make_request("fits", ids(longest - 4, 2), max_new_tokens=4, ignore_eos=True)])
     assert len(res["fits"].output_ids) == 4
+
+
+def test_kvzip_names_its_reconstruction_scratch_when_the_pool_limits_a_request(llama):
+    # kvzip's reconstruction pass keeps KV slots of its own: with a small --max-total-tokens they are
+    # what leaves a request short, and the refusal says so.
+    s = sched(llama, kv_compressor="kvzip", max_total_tokens=2250)
+    scratch = len(s.two_tier.reconstruction.scratch)
+    longest = s.max_total_num_tokens - PS
+    assert s.max_req_len == longest < s.context_len and s.max_total_num_tokens <= 2250 - scratch
+    err = s.handle_message(make_request("long", ids(longest - 3, 1), max_new_tokens=4))
+    assert err is not None and err.status_code == 400
+    assert err.message.endswith(f"more than the {longest} tokens a request may have (kvzip's reconstruction pass "
+                                f"holds {scratch} of the KV pool's slots; raise --max-total-tokens)")

@@ -286,10 +286,13 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         if bad:
             return SchedulerError(r.rid, f"input token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if n_in + r.sampling_params.max_new_tokens > self.max_req_len:
+            rec = getattr(self.two_tier, "reconstruction", None)
+            why = "" if rec is None or self.max_req_len != self.max_total_num_tokens - self.page_size else (
+                f" (kvzip's reconstruction pass holds {len(rec.scratch)} of the KV pool's slots; raise --max-total-tokens)")
             return SchedulerError(
                 r.rid,
                 f"the request needs {n_in} prompt + {r.sampling_params.max_new_tokens} new tokens, "
-                f"more than the {self.max_req_len} tokens a request may have",
+                f"more than the {self.max_req_len} tokens a request may have{why}",
             )
         req = Req.from_input(r)
         if self.spec_worker is not None:  # dual-instance: the verifier's session opens now
