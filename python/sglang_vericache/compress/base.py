@@ -48,7 +48,9 @@ def surrogate_owner(path: str) -> str:
     """The checkpoint (folder or .gguf file) whose surrogate_path is path."""
     folder, name = os.path.split(path)
     top = os.path.dirname(folder)
-    return top if name == os.path.basename(SURROGATE_FILE) else os.path.join(top, name[: -len(".safetensors")] + ".gguf")
+    if name == os.path.basename(SURROGATE_FILE):
+        return top
+    return os.path.join(top, name[: -len(".safetensors")] + ".gguf")
 
 
 KVZIP_CHUNK_TOKENS = 2048  # kvzip over a segment: context tokens per replay pass (kvpress's chunk_size)

@@ -288,7 +288,8 @@ class Scheduler(SchedulerForwardMixin, SchedulerOutputProcessorMixin, SchedulerI
         if n_in + r.sampling_params.max_new_tokens > self.max_req_len:
             rec = getattr(self.two_tier, "reconstruction", None)
             why = "" if rec is None or self.max_req_len != self.max_total_num_tokens - self.page_size else (
-                f" (kvzip's reconstruction pass holds {len(rec.scratch)} of the KV pool's slots; raise --max-total-tokens)")
+                f" (kvzip's reconstruction pass holds {len(rec.scratch)} of the KV pool's slots; "
+                "raise --max-total-tokens)")
             return SchedulerError(
                 r.rid,
                 f"the request needs {n_in} prompt + {r.sampling_params.max_new_tokens} new tokens, "
