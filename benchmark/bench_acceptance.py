@@ -4,7 +4,7 @@ emitted per round, the acceptance rate, and output identity with full KV, beside
     .venv/bin/python benchmark/bench_acceptance.py                 # ratios 2 4 8, X = 8 16 30
     .venv/bin/python benchmark/bench_acceptance.py --compressors kvquant3 snapkv+kivi4 --ratios 4 --merge
     .venv/bin/python benchmark/bench_acceptance.py --model-path /tmp/models/smollm2-hf --dtype bfloat16 \
-        --page-size 16 --prompt-kinds code chat --context-tokens 1024 4096 8192 --no-lossy --out acceptance_smollm2
+        --page-size 16 --prompt-kinds code chat --context-tokens 1024 4096 8000 --no-lossy --out acceptance_smollm2
 
 Prompts (`--prompt-kinds`): `code`, a held-out stdlib file up to one of its function headers (the model
 writes the body); `chat`, the same source in the model's chat template followed by a question about
@@ -77,6 +77,11 @@ def step_ratio(vc_metrics: dict, full_metrics: dict) -> float | None:
     return statistics.mean(draft) / statistics.mean(full)
 
 
+def resolved_scope(name: str, scope: str) -> str:
+    """What --kv-compress-scope auto means here (no KV store): segment for token droppers, page for quantizers."""
+    return scope if scope != "auto" else "page" if name in QUANTIZERS else "segment"
+
+
 def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None) -> list[dict]:
     """Full KV once, then every (compressor, ratio, scope, X) of args on these prompts; save(rows)
     after each run (a long sweep keeps what it measured)."""
@@ -101,7 +106,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
         diverged = [] if full is None else [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
         rows.append({
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
-            "compressor": name, "ratio": ratio, "scope": scope, "draft_tokens": x,
+            "compressor": name, "ratio": ratio, "scope": resolved_scope(name, scope), "draft_tokens": x,
             "head_budget": args.kv_head_budget if name not in QUANTIZERS else "uniform",
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
@@ -163,9 +168,10 @@ def main() -> None:
         for key in ("model_path", "num_prompts", "prompt_kinds", "context_tokens", "prompt_tokens",
                     "max_new_tokens", "page_size", "dtype"):  # the header describes the runs, not this command
             setattr(args, key, parts[0]["args"][key])
+        rows = [{**r, "scope": resolved_scope(r["compressor"], r.get("scope", "page"))}
+                for part in parts for r in part["rows"]]
         report = {"model_path": parts[0]["model_path"], "machine": parts[0].get("machine", machine()),
-                  "combined_from": args.combine,
-                  "args": [part["args"] for part in parts], "rows": [r for part in parts for r in part["rows"]]}
+                  "combined_from": args.combine, "args": [part["args"] for part in parts], "rows": rows}
         return write_report(args, report)
     tok = get_tokenizer(args.model_path)
     sizes = [(n, n) for n in args.context_tokens] if args.context_tokens else [tuple(args.prompt_tokens)]

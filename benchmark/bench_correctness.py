@@ -224,7 +224,7 @@ def merged_rows(stored: dict, full_row: dict, modes: dict) -> list[dict]:
     old_full = next(r for r in stored["rows"] if r["mode"] == "full")
     for part in ("humaneval", "tools"):
         key = "completions" if part == "humaneval" else "outputs"
-        if old_full[part][key] != full_row[part][key]:
+        if old_full[part][key] != json.loads(json.dumps(full_row[part][key])):  # (as stored: tuples -> lists)
             raise SystemExit(f"--merge: this run's full mode differs from the stored one ({part}); nothing merged")
     return [r for r in stored["rows"] if r["mode"] not in modes]
 
