@@ -136,7 +136,7 @@ def main() -> None:
                    help="Prompt kinds: code (a file up to a function header) or chat (the file and a question "
                         "in the chat template).")
     p.add_argument("--context-tokens", type=int, nargs="+", default=None,
-                   help="Prompt sizes in tokens (about; e.g. 1024 4096 8192), one group of rows each "
+                   help="Prompt sizes in tokens (about; e.g. 1024 4096 8000), one group of rows each "
                         "(default: --prompt-tokens' range).")
     p.add_argument("--no-full", action="store_true",
                    help="Skip the full-KV run (no output = full check: the column reads '-').")

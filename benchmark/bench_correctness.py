@@ -334,8 +334,8 @@ def main() -> None:
     p.add_argument("--tool-max-tokens", type=int, default=96, help="max_tokens of a tool request (default: 96).")
     p.add_argument("--out", default="correctness", help="Results name under benchmark/results.")
     p.add_argument("--only", nargs="+", default=None, metavar="MODE",
-                   help="Run full mode and only these of the modes above, by their table names "
-                        "(e.g. 'lossy snapkv 8x'; default: all of them).")
+                   help="Run full mode, then only these of the modes above in the order given, by their table "
+                        "names (e.g. 'lossy snapkv 8x'; default: all of them).")
     p.add_argument("--merge", action="store_true",
                    help="Keep the rows of results/<out>.json this run does not redo; its full mode must give the "
                         "stored full mode's outputs (the same reference), else nothing is merged.")
@@ -357,9 +357,11 @@ def main() -> None:
               "humaneval_subset": subset, "tool_calls": len(calls), "rows": rows}
     traces = {"model_path": args.model_path, "machine": report["machine"], "command": report["command"],
               "workload": f"HumanEval ({subset}) and {len(calls)} tool calls in one batch", "rows": []}
-    modes = {n: m for n, m in modes_of(args).items() if args.only is None or n == "full" or n in args.only}
-    if args.only and set(args.only) - set(modes):
-        raise SystemExit(f"--only: no mode named {sorted(set(args.only) - set(modes))}; the modes: {list(modes_of(args))}")
+    modes = modes_of(args)
+    if args.only:  # full mode, then the named ones in the order given
+        if set(args.only) - set(modes):
+            raise SystemExit(f"--only: no mode named {sorted(set(args.only) - set(modes))}; the modes: {list(modes)}")
+        modes = {n: modes[n] for n in ["full", *args.only]}
     stored = json.loads((RESULTS / f"{args.out}.json").read_text()) if args.merge else None
     for name, server in tqdm(modes.items(), desc="modes"):
         out = run(args.model_path, server, he_ids, tool_ids, plans, args)
