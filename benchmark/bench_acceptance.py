@@ -43,7 +43,8 @@ def plot(rows: list[dict], ratio: float, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = iter(plt.get_cmap("tab20").colors * 4)  # a colour per line; quantizers (page) dashed
     groups = dict.fromkeys((r.get("prompt_kind", "code"), round(statistics.mean(r.get("prompt_tokens") or [0]), -2))
                            for r in rows)
     for kind, size in groups:
@@ -57,13 +58,14 @@ def plot(rows: list[dict], ratio: float, path) -> None:
                 pts_by.setdefault(r.get("scope", "page") + adaptive, []).append(r)
             for scope, sp in pts_by.items():
                 label = f"{name} ({scope})" if len(groups) == 1 else f"{name} ({scope}; {kind}, ~{size:.0f} tokens)"
-                ax.plot([r["draft_tokens"] for r in sp], [r["accept_length"] for r in sp], marker="o", label=label)
+                ax.plot([r["draft_tokens"] for r in sp], [r["accept_length"] for r in sp], marker="o", label=label,
+                        color=next(colors), ls="--" if scope == "page" else "-")
     xs = sorted({r["draft_tokens"] for r in rows})
     ax.plot(xs, [x + 1 for x in xs], ls=":", c="grey", label="all accepted (X + 1)")
     ax.set_xlabel("draft tokens per round (X)")
     ax.set_ylabel("tokens emitted per round")
     ax.set_title(f"VeriCache acceptance: token dropping at {ratio:g}x, quantizers at their own ratio")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
