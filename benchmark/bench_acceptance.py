@@ -202,7 +202,7 @@ def write_report(args, report: dict) -> None:
     rows = report["rows"]
     best = max(rows, key=lambda r: r["accept_length"])
     lines = [
-        f"VeriCache acceptance on code: {args.model_path}",
+        f"VeriCache acceptance on {' and '.join(args.prompt_kinds)} prompts: {args.model_path}",
         f"{args.num_prompts} held-out prompts per group ({', '.join(args.prompt_kinds)}; "
         f"{args.context_tokens or args.prompt_tokens} tokens), {args.max_new_tokens} greedy tokens each, page {args.page_size}, dtype {args.dtype}; machine: {report.get('machine') or machine()}",
         f"The paper reports {PAPER_TOKENS_PER_ROUND} tokens per round for its same-model drafter (Mistral-24B, "
