@@ -131,6 +131,9 @@ def test_vericache_equals_deterministic_full_mode_bfloat16(gemma3, deterministic
                       vericache_schedule="lockstep")
     _same(vc, deterministic_full, compressor)
     assert sched.metrics.spec_rounds_total > 0
+    types = sched.model_runner.model_config.hf_config.layer_types  # the sliding layers keep their recent tokens
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    assert sched.two_tier.compressor.config.sliding_layers == sliding and 0 < len(sliding) < len(types)
 
 
 def test_deterministic_alone_equals_batched(gemma3, deterministic_full):

@@ -124,6 +124,33 @@ def test_every_dropper_keeps_n_times_k_over_a_segment(name):
         assert idx[0].tolist() == [0, 1, 2, 3] + list(range(s - 2, s))
 
 
+SLIDING_CASES = [(n, "uniform") for n in ("snapkv", "h2o", "knorm", "expected_attention", "streamingllm",
+                                           "snapkv+int8")] + [(n, "adaptive") for n in ("snapkv", "h2o",
+                                                                                        "expected_attention")]
+
+
+@pytest.mark.parametrize("name, head_budget", SLIDING_CASES)
+def test_a_sliding_window_layer_keeps_its_most_recent_tokens(name, head_budget):
+    # Layer 0 reads a sliding window (Gemma 3's sliding layers): whatever the method, it keeps the
+    # segment's (and a page's) last k tokens, the only ones its window reads again; layer 1 ranks.
+    comp = get_compressor(name, config(name, ratio=4, layers=2, sliding_layers=(0,), head_budget=head_budget))
+    hot = {0: [3, 17, 18, 30], 1: [0, 1, 2, 25]}
+    k, v, q, q_pos, pos = spiky_segment(hot, queries=4)
+    drop = comp.drop if name == "snapkv+int8" else comp
+    s, kept = k.shape[0], drop.kept(0, k)
+    recent = list(range(s - kept, s))
+    assert drop.keep_segment(0, k, v, q, q_pos, pos).tolist() == [recent] * H_KV
+    assert drop.keep_segment(1, k, v, q, q_pos, pos).tolist() == drop.segment_keep(1, k, v, q, q_pos, pos).tolist()
+    chunks = comp.compress_segment(0, k, v, q=q, q_positions=q_pos, positions=pos)
+    assert chunks.matches(comp.layout(0))
+    if name != "snapkv+int8":  # (the composition stores its quantizer's layout: no idx)
+        assert chunks["idx"].permute(2, 0, 1).flatten(1).tolist() == [recent] * H_KV
+        if head_budget == "adaptive":  # each head's cells are its own
+            assert chunks["head"].tolist() == [[[0, 1]] * drop.rows(0)] * (s // T)
+        page = comp.compress(0, k[:T], v[:T], q=q, positions=pos[:T])
+        assert page["idx"].T.tolist() == [list(range(T - comp.rows(0), T))] * H_KV
+
+
 def test_drop_then_quantize_quantizes_the_globally_kept_rows():
     comp = get_compressor("snapkv+int8", config("snapkv+int8", kernel_size=1))
     quant = comp.stage(0)

@@ -92,6 +92,9 @@ class CompressorConfig:
     kmeans_iters: int = 8  # Lloyd iterations fitting the chunk's non-uniform levels
     # kvzap: its surrogate's file (from_model_config: kvzap/surrogate.safetensors in the checkpoint's folder)
     kvzap_path: str | None = None
+    # token droppers: layers whose attention reads only a sliding window of recent keys (Gemma 3's sliding
+    # layers); they keep their most recent tokens, the only ones the window reads again (from_model_config)
+    sliding_layers: tuple[int, ...] = ()
     # RoPE of the model (kvquant, rotatekv: pre-RoPE keys; expected_attention, kvzip: positions), as
     # layers/rotary_embedding.get_rope_parameters gives it; None -> default RoPE, theta 10000
     rope_parameters: dict | None = None
@@ -134,6 +137,9 @@ class CompressorConfig:
             # Gemma 3's RoPE differs per layer kind: the global layers' (one table for every layer;
             # docs/DESIGN.md, "Gemma 3: sliding and global layers")
             options["rope_parameters"] = get_rope_parameters(m.hf_config, layer_type="full_attention")
+        hf = getattr(m, "hf_config", None)
+        if getattr(hf, "sliding_window", None) and getattr(hf, "layer_types", None) and "sliding_layers" not in options:
+            options["sliding_layers"] = tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
         if getattr(m, "model_path", None) and "kvzap_path" not in options:
             options["kvzap_path"] = surrogate_path(m.model_path)
         return CompressorConfig(

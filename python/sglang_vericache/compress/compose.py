@@ -64,7 +64,7 @@ class ComposedCompressor(KVCompressor):
 
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)
-        rows = self.drop.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
+        rows = self.drop.keep_chunk(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
         gather = rows[..., None].expand(*rows.shape, k.shape[-1])
         kept_k, kept_v = torch.gather(k, -3, gather), torch.gather(v, -3, gather)
         kept_pos = None
@@ -81,7 +81,7 @@ class ComposedCompressor(KVCompressor):
         then each chunk's kept rows quantized as a chunk of k_l rows."""
         n = check_segment(self, k, v, positions)
         positions = positions.to(k.device)
-        keep = self.drop.segment_keep(layer_id, k, v, q, q_positions, positions)
+        keep = self.drop.keep_segment(layer_id, k, v, q, q_positions, positions)
         rows = deal(keep, n, self.drop.rows(layer_id))  # [n, k_l, H]
         gather = rows.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
         kept_k = torch.gather(k, 0, gather).unflatten(0, rows.shape[:2])

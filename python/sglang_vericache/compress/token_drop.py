@@ -78,9 +78,27 @@ class TokenDropCompressor(KVCompressor):
         """What compress() keeps: select()'s indices; methods that also score values override this."""
         return self.select(layer_id, k, q, positions)
 
+    def sliding(self, layer_id: int) -> bool:
+        """A sliding-window layer: it keeps its most recent tokens whatever the method (its window never
+        reads an older one again; with a budget of the window or more its draft attention is exact)."""
+        return layer_id in self.config.sliding_layers
+
+    def keep_chunk(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, q, positions) -> torch.Tensor:
+        """compress()'s [..., H_kv, k_l] indices: a sliding layer's most recent, else keep()'s."""
+        if self.sliding(layer_id):
+            return recent_indices(k, self.rows(layer_id))
+        return self.keep(layer_id, k, v, q, positions)
+
+    def keep_segment(self, layer_id: int, k, v, q, q_positions, positions) -> torch.Tensor:
+        """compress_segment()'s uniform [H_kv, n * k_l] indices: a sliding layer's most recent, else
+        segment_keep()'s."""
+        if self.sliding(layer_id):
+            return recent_indices(k, self.kept(layer_id, k))
+        return self.segment_keep(layer_id, k, v, q, q_positions, positions)
+
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)
-        rows = self.keep(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
+        rows = self.keep_chunk(layer_id, k, v, q, positions).transpose(-1, -2)  # [..., n, H]
         gather = rows[..., None].expand(*rows.shape, k.shape[-1])
         dtype = self.config.dtype
         tensors = {
@@ -122,19 +140,20 @@ class TokenDropCompressor(KVCompressor):
     ) -> CompressedChunk:
         """The segment's n chunks (batched, leading dim n): segment_keep()'s rows, k_l per chunk."""
         rows = check_segment(self, k, v, positions)
-        if self.head_adaptive:
+        if self.head_adaptive and not self.sliding(layer_id):
             return self.compress_segment_adaptive(layer_id, k, v, q, q_positions, positions.to(k.device), rows)
-        keep = self.segment_keep(layer_id, k, v, q, q_positions, positions.to(k.device))  # [H, n * k_l]
+        keep = self.keep_segment(layer_id, k, v, q, q_positions, positions.to(k.device))  # [H, n * k_l]
         idx = deal(keep, rows, self.rows(layer_id))  # [n, k_l, H]
         gather = idx.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
         dtype = self.config.dtype
-        return CompressedChunk(
-            {
-                "k": torch.gather(k, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
-                "v": torch.gather(v, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
-                "idx": idx.to(torch.int16).contiguous(),
-            }
-        )
+        tensors = {
+            "k": torch.gather(k, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
+            "v": torch.gather(v, 0, gather).to(dtype).unflatten(0, idx.shape[:2]),
+            "idx": idx.to(torch.int16).contiguous(),
+        }
+        if self.head_adaptive:  # a sliding layer under adaptive budgets: every head its own recent tokens
+            tensors["head"] = own_heads(idx.shape[:-1], k.shape[-2], k.device)
+        return CompressedChunk(tensors)
 
     def head_safeguard(self) -> float:
         """Head-adaptive budgets: the share of its uniform budget each head keeps first (AdaKV's alpha)."""
