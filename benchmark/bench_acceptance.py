@@ -79,11 +79,6 @@ def step_ratio(vc_metrics: dict, full_metrics: dict) -> float | None:
     return statistics.mean(draft) / statistics.mean(full)
 
 
-def resolved_scope(name: str, scope: str) -> str:
-    """What --kv-compress-scope auto means here (no KV store): segment for token droppers, page for quantizers."""
-    return scope if scope != "auto" else "page" if name in QUANTIZERS else "segment"
-
-
 def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None) -> list[dict]:
     """Full KV once, then every (compressor, ratio, scope, X) of args on these prompts; save(rows)
     after each run (a long sweep keeps what it measured)."""
@@ -108,7 +103,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
         diverged = [] if full is None else [i for i, (a, b) in enumerate(zip(vc.outputs, full.outputs)) if a != b]
         rows.append({
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
-            "compressor": name, "ratio": ratio, "scope": resolved_scope(name, scope), "draft_tokens": x,
+            "compressor": name, "ratio": ratio, "scope": m["scope"], "draft_tokens": x,
             "head_budget": args.kv_head_budget if name not in QUANTIZERS else "uniform",
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
@@ -170,10 +165,9 @@ def main() -> None:
         for key in ("model_path", "num_prompts", "prompt_kinds", "context_tokens", "prompt_tokens",
                     "max_new_tokens", "page_size", "dtype"):  # the header describes the runs, not this command
             setattr(args, key, parts[0]["args"][key])
-        rows = [{**r, "scope": resolved_scope(r["compressor"], r.get("scope", "page"))}
-                for part in parts for r in part["rows"]]
         report = {"model_path": parts[0]["model_path"], "machine": parts[0].get("machine", machine()),
-                  "combined_from": args.combine, "args": [part["args"] for part in parts], "rows": rows}
+                  "combined_from": args.combine,
+                  "args": [part["args"] for part in parts], "rows": [r for part in parts for r in part["rows"]]}
         return write_report(args, report)
     tok = get_tokenizer(args.model_path)
     sizes = [(n, n) for n in args.context_tokens] if args.context_tokens else [tuple(args.prompt_tokens)]

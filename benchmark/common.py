@@ -181,6 +181,8 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "spec_ngram_accepted": m.spec_ngram_accepted_total,
         "round_trace": m.round_trace,
         "forward_seconds": forward_seconds,
+        # what --kv-compress-scope resolved to (TwoTierKV.resolve_scope); None in full mode
+        "scope": None if sched.two_tier is None else "segment" if sched.two_tier.segment_scope else "page",
     }
     rec = getattr(sched.two_tier, "reconstruction", None)
     if rec is not None:  # kvzip: what its reconstruction passes forwarded
