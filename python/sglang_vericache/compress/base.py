@@ -138,8 +138,11 @@ class CompressorConfig:
             # docs/DESIGN.md, "Gemma 3: sliding and global layers")
             options["rope_parameters"] = get_rope_parameters(m.hf_config, layer_type="full_attention")
         hf = getattr(m, "hf_config", None)
-        if getattr(hf, "sliding_window", None) and getattr(hf, "layer_types", None) and "sliding_layers" not in options:
-            options["sliding_layers"] = tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+        if getattr(hf, "layer_types", None) and "sliding_layers" not in options:
+            # the model's own rule, where layer kinds are mixed (a window on every layer, as Mistral's, is not)
+            from sglang_vericache.models.llama import layer_sliding_window
+
+            options["sliding_layers"] = tuple(i for i in range(len(hf.layer_types)) if layer_sliding_window(hf, i))
         if getattr(m, "model_path", None) and "kvzap_path" not in options:
             options["kvzap_path"] = surrogate_path(m.model_path)
         return CompressorConfig(
