@@ -54,8 +54,7 @@ def plot(rows: list[dict], ratio: float, path) -> None:
             pts = [r for r in mine if r["compressor"] == name and r["ratio"] in (ratio, None)]
             pts_by = {}
             for r in pts:
-                adaptive = ", adaptive" if r.get("head_budget", "uniform") == "adaptive" else ""
-                pts_by.setdefault(r.get("scope", "page") + adaptive, []).append(r)
+                pts_by.setdefault(scope_label(r), []).append(r)
             for scope, sp in pts_by.items():
                 label = f"{name} ({scope})" if len(groups) == 1 else f"{name} ({scope}; {kind}, ~{size:.0f} tokens)"
                 ax.plot([r["draft_tokens"] for r in sp], [r["accept_length"] for r in sp], marker="o", label=label,
@@ -68,6 +67,12 @@ def plot(rows: list[dict], ratio: float, path) -> None:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def scope_label(row: dict) -> str:
+    """A row's scope column: what was ranked at once, and how (rows from before a field existed: its default)."""
+    label = row.get("scope", "page") + (", adaptive" if row.get("head_budget", "uniform") == "adaptive" else "")
+    return label + (f", last {row['keep_recent']} kept" if row.get("keep_recent") else "")
 
 
 def step_ratio(vc_metrics: dict, full_metrics: dict) -> float | None:
@@ -89,6 +94,8 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
     pairs = [(c, None, "page") if c in QUANTIZERS else (c, r, sc)
              for c in args.compressors for r in args.ratios for sc in args.kv_compress_scopes]
     budget = {} if args.kv_head_budget == "uniform" else {"kv_head_budget": args.kv_head_budget}
+    if args.kv_keep_recent is not None:
+        budget["kv_keep_recent"] = args.kv_keep_recent
     configs = [(c, r, sc, x) for c, r, sc in dict.fromkeys(pairs) for x in args.draft_tokens]
     lossy_identical = {}
     for name, ratio, scope, x in tqdm(configs, desc=f"vericache runs ({kind}, {lo}-{hi} tokens)"):
@@ -105,6 +112,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
             "compressor": name, "ratio": ratio, "scope": m["scope"], "draft_tokens": x,
             "head_budget": args.kv_head_budget if name not in QUANTIZERS else "uniform",
+            "keep_recent": m["keep_recent"],
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
             "accept_rate": m["spec_accepted"] / max(m["spec_drafted"], 1),
@@ -145,6 +153,10 @@ def main() -> None:
                    help="--kv-head-budget of the token droppers (segment scope): uniform (every KV head keeps the "
                         "same count) or adaptive (AdaKV: one top-k over the layer's heads); the scope column reads "
                         "'segment, adaptive'.")
+    p.add_argument("--kv-keep-recent", type=int, default=None,
+                   help="--kv-keep-recent of the token droppers (default: the server's, 64): a segment's last tokens "
+                        "kept first by the methods that rank by a score alone; the scope column reads "
+                        "'segment, last N kept' (0: the score alone, as before).")
     p.add_argument("--combine", nargs="+", default=None, metavar="NAME",
                    help="Run nothing: write --out from the rows of results/NAME.json files (runs split across "
                         "processes).")
@@ -192,7 +204,8 @@ def write_report(args, report: dict) -> None:
         same = ("num_prompts", "prompt_tokens", "max_new_tokens", "page_size", "dtype", "model_path")
         report = merge_rows(args.out, report, lambda r: (r.get("prompt_kind", "code"), len(r.get("prompt_tokens", [])),
                                                          r["compressor"], r["ratio"], r.get("scope", "page"),
-                                                         r.get("head_budget", "uniform"), r["draft_tokens"]), same)
+                                                         r.get("head_budget", "uniform"), r.get("keep_recent", 0),
+                                                         r["draft_tokens"]), same)
     rows = report["rows"]
     best = max(rows, key=lambda r: r["accept_length"])
     lines = [
@@ -217,7 +230,7 @@ def write_report(args, report: dict) -> None:
         lossy = "-" if r.get("lossy_identical_share") is None else f"{r['lossy_identical_share']:.0%}"
         toks = r.get("prompt_tokens", [])
         size = f"{min(toks)}-{max(toks)}" if toks else "-"
-        scope = r.get("scope", "page") + (", adaptive" if r.get("head_budget", "uniform") == "adaptive" else "")
+        scope = scope_label(r)
         lines.append(f"| {r.get('prompt_kind', 'code')} | {size} | {r['compressor']} | {ratio} | {scope} | {r['draft_tokens']} "
                      f"| {r['rounds']} | {r['accept_length']:.2f} | {r['accept_rate']:.0%} | {same} | {lossy} | {step} |")
     if args.note:

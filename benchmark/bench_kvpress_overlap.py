@@ -192,7 +192,7 @@ def main() -> None:
         cfg = CompressorConfig(name, ratio=4, chunk_size=16, num_layers=hf.num_hidden_layers,
                                num_kv_heads=hf.num_key_value_heads, num_q_heads=hf.num_attention_heads,
                                head_dim=hf.head_dim, dtype=torch.float32, rope_parameters=get_rope_parameters(hf),
-                               **options)
+                               keep_recent=0, **options)  # each rule alone, as a press ranks (no --kv-keep-recent)
         return get_compressor(name, cfg)
 
     cases = [

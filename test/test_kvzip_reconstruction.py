@@ -185,7 +185,10 @@ def test_segment_scope_keeps_the_top_k_of_the_whole_prompt_from_its_chunked_repl
             scores[layer].append(reconstruction_scores(rec, keys[a:b], comp.config.scale))
     for j, layer in enumerate(layers):
         s = torch.cat(scores[layer], dim=-1)
-        s[:, :4] = float("inf")  # the sinks are kept first
+        s[:, :4] = float("inf")  # the sinks are kept first, then the segment's last tokens (--kv-keep-recent)
+        recent = comp.protected(layer, comp.rows(layer) * n)
+        assert recent == 3  # the cap, half of what the sinks leave of 10 (not 64)
+        s[:, end - recent :] = float("inf")
         want = deal(top_k_indices(s, comp.rows(layer) * n), n, comp.rows(layer))  # [n, k_l, H]
         got = torch.stack([log[p][3 * j + 2][0] for p in range(n)]).long()
         assert torch.equal(got, want)

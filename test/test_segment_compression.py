@@ -107,7 +107,7 @@ def test_budgets_are_exact_per_layer_over_the_segment():
 
 @pytest.mark.parametrize("name", ["knorm", "streamingllm", "h2o", "expected_attention", "kvzip_proxy"])
 def test_every_dropper_keeps_n_times_k_over_a_segment(name):
-    comp = get_compressor(name, config(name, ratio=4))
+    comp = get_compressor(name, config(name, ratio=4, keep_recent=0))  # each method's rule alone
     g = torch.Generator().manual_seed(3)
     pages = 3
     s = pages * T
@@ -124,6 +124,61 @@ def test_every_dropper_keeps_n_times_k_over_a_segment(name):
         assert idx[0].tolist() == [0, 1, 2, 3] + list(range(s - 2, s))
 
 
+def random_segment(pages: int = 4, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    s = pages * T
+    k, v = torch.randn(s, H_KV, D, generator=g), torch.randn(s, H_KV, D, generator=g)
+    q = torch.randn(s + 2, H_Q, D, generator=g)  # the segment's own queries and two after it
+    return k, v, q, torch.arange(s + 2), torch.arange(s)
+
+
+RANKED = ["knorm", "expected_attention", "kvzip_proxy", "knorm+int8"]
+
+
+@pytest.mark.parametrize("name", RANKED)
+@pytest.mark.parametrize("keep_recent, protected", [(3, 3), (100, 6)])  # at most half of 16 less 4 sinks
+def test_a_ranked_dropper_keeps_a_segments_last_tokens_then_its_top_scores(name, keep_recent, protected):
+    k, v, q, q_pos, pos = random_segment()
+    s = k.shape[0]
+    comp = get_compressor(name, config(name, ratio=2, keep_recent=keep_recent))
+    drop = comp.drop if "+" in name else comp
+    kept = drop.kept(0, k)
+    assert kept == 16 and drop.protected(0, kept) == protected
+    scores = drop.segment_scores(0, k, v, q, q_pos, pos)  # the sinks (positions 0-3) at +inf
+    top = top_k_indices(scores[:, : s - protected], kept - protected)
+    want = torch.cat([top, torch.arange(s - protected, s).expand(H_KV, -1)], dim=1)
+    got = drop.keep_segment(0, k, v, q, q_pos, pos)
+    assert got.tolist() == want.tolist()
+    assert got.tolist() != top_k_indices(scores, kept).tolist()  # the score alone keeps others
+    assert drop.segment_keep(0, k, v, q, q_pos, pos).tolist() == top_k_indices(scores, kept).tolist()
+    if "+" not in name:  # stored: the same rows, dealt out k_l per chunk
+        assert comp.compress_segment(0, k, v, q, q_pos, pos)["idx"].permute(2, 0, 1).flatten(1).tolist() == want.tolist()
+    unprotected = get_compressor(name, config(name, ratio=2, keep_recent=0))
+    assert (unprotected.drop if "+" in name else unprotected).keep_segment(0, k, v, q, q_pos, pos).tolist() == \
+        top_k_indices(scores, kept).tolist()
+
+
+@pytest.mark.parametrize("name", ["expected_attention", "knorm"])
+def test_head_adaptive_budgets_keep_every_heads_last_tokens(name):
+    k, v, q, q_pos, pos = random_segment()
+    s = k.shape[0]
+    comp = get_compressor(name, config(name, ratio=4, keep_recent=3, head_budget="adaptive"))  # 2 protected
+    chunks = comp.compress_segment(0, k, v, q, q_pos, pos)
+    cells = set(zip(chunks["idx"].flatten().tolist(), chunks["head"].flatten().tolist()))
+    assert len(cells) == H_KV * comp.kept(0, k)
+    assert {(t, h) for t in range(s - 2, s) for h in range(H_KV)} <= cells
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "h2o", "streamingllm", "snapkv+int8"])
+def test_a_method_with_a_recent_rule_of_its_own_ignores_keep_recent(name):
+    k, v, q, q_pos, pos = random_segment()
+    comps = [get_compressor(name, config(name, ratio=4, keep_recent=r)) for r in (0, 4)]
+    drops = [c.drop if "+" in name else c for c in comps]
+    assert drops[1].protected(0, drops[1].kept(0, k)) == 0
+    a, b = (d.keep_segment(0, k, v, q, q_pos, pos) for d in drops)
+    assert a.tolist() == b.tolist()
+
+
 SLIDING_CASES = [(n, "uniform") for n in ("snapkv", "h2o", "knorm", "expected_attention", "streamingllm",
                                            "snapkv+int8")] + [(n, "adaptive") for n in ("snapkv", "h2o",
                                                                                         "expected_attention")]
@@ -133,7 +188,8 @@ SLIDING_CASES = [(n, "uniform") for n in ("snapkv", "h2o", "knorm", "expected_at
 def test_a_sliding_window_layer_keeps_its_most_recent_tokens(name, head_budget):
     # Layer 0 reads a sliding window (Gemma 3's sliding layers): whatever the method, it keeps the
     # segment's (and a page's) last k tokens, the only ones its window reads again; layer 1 ranks.
-    comp = get_compressor(name, config(name, ratio=4, layers=2, sliding_layers=(0,), head_budget=head_budget))
+    comp = get_compressor(name, config(name, ratio=4, layers=2, sliding_layers=(0,), head_budget=head_budget,
+                                       keep_recent=0))  # layer 1: the method's rule alone
     hot = {0: [3, 17, 18, 30], 1: [0, 1, 2, 25]}
     k, v, q, q_pos, pos = spiky_segment(hot, queries=4)
     drop = comp.drop if name == "snapkv+int8" else comp

@@ -137,6 +137,7 @@ def test_a_groups_flags_come_from_its_fields_declared_with_arg():
     (MemoryArgs, "max_running_requests", 0, "--max-running-requests must be >= 1, got 0"),
     (MemoryArgs, "schedule_policy", "lifo", "--schedule-policy must be one of fcfs, lpm, got 'lifo'"),
     (KVModeArgs, "kv_recent_window", -1, "--kv-recent-window must be >= 0, got -1"),
+    (KVModeArgs, "kv_keep_recent", -1, "--kv-keep-recent must be >= 0, got -1"),
     (SpeculativeArgs, "speculative_num_draft_tokens", "65", "--speculative-num-draft-tokens must be 1..64 or 'auto', "
                                                             "got '65'"),
     (KVStoreArgs, "kv_store", "s3", "--kv-store must be one of none, file, redis, got 's3'"),

@@ -24,6 +24,7 @@ class H2OCompressor(TokenDropCompressor):
     """
 
     name = "h2o"
+    recent_rule = True  # its recent tokens
 
     def query_window(self, layer_id: int) -> int:
         return self.config.chunk_size

@@ -34,6 +34,7 @@ class SnapKVCompressor(TokenDropCompressor):
     """
 
     name = "snapkv"
+    recent_rule = True  # its observation window
 
     def query_window(self, layer_id: int) -> int:
         return min(self.config.window_size or PAGE_WINDOW, self.config.chunk_size)

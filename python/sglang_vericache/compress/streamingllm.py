@@ -14,6 +14,7 @@ class StreamingLLMCompressor(TokenDropCompressor):
     """
 
     name = "streamingllm"
+    recent_rule = True
 
     def select(self, layer_id, k, q, positions):
         if positions is None:

@@ -16,6 +16,13 @@ the draft kernels stay as they are. The score rules live in each method's `selec
 (their budget `kept(layer_id, k)` is k_l per page of k); `segment_keep()` is where a method that
 reads queries takes the segment's.
 
+A segment's last tokens. Methods whose rule ranks by a score alone (ExpectedAttention, K-norm, KVzip,
+KVzap) keep a segment's last config.keep_recent tokens first (64; at most half of what the sinks leave of
+the budget), inside the budget, then rank the rest: at the end of a prompt those are its question, which
+the papers' pipelines never compress (kvpress compresses a context and appends the question exact; KVzap
+runs beside DMS's sliding window of recent tokens). Methods with a recent part of their own
+(`recent_rule`: SnapKV's observation window, H2O's recent tokens, StreamingLLM) keep theirs instead.
+
 Head-adaptive budgets (config.head_budget == "adaptive", compress/head_budget.py): compress_segment()
 keeps the layer's H_kv * kept tokens by one top-k over `segment_scores()` across heads (AdaKV), and
 each stored cell names its KV head (an extra `head` [k_l, H_kv] int8 tensor).
@@ -32,6 +39,8 @@ from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, own
 
 
 class TokenDropCompressor(KVCompressor):
+    recent_rule = False  # the method's own rule keeps a segment's most recent tokens (no keep_recent)
+
     def __init__(self, config):
         super().__init__(config)
         if config.chunk_size > torch.iinfo(torch.int16).max:
@@ -89,12 +98,24 @@ class TokenDropCompressor(KVCompressor):
             return recent_indices(k, self.rows(layer_id))
         return self.keep(layer_id, k, v, q, positions)
 
+    def protected(self, layer_id: int, kept: int) -> int:
+        """A segment's last tokens kept whatever their score, of a budget of kept (the module docstring): at
+        most half of what the sinks leave, so sinks and recent tokens never fill the budget between them."""
+        if self.recent_rule or self.sliding(layer_id):
+            return 0
+        return min(self.config.keep_recent, max(0, kept - self.config.num_sink_tokens) // 2)
+
     def keep_segment(self, layer_id: int, k, v, q, q_positions, positions) -> torch.Tensor:
         """compress_segment()'s uniform [H_kv, n * k_l] indices: a sliding layer's most recent, else
-        segment_keep()'s."""
+        segment_keep()'s, a segment's protected() last tokens first."""
+        kept = self.kept(layer_id, k)
         if self.sliding(layer_id):
-            return recent_indices(k, self.kept(layer_id, k))
-        return self.segment_keep(layer_id, k, v, q, q_positions, positions)
+            return recent_indices(k, kept)
+        recent = self.protected(layer_id, kept)
+        if recent == 0:
+            return self.segment_keep(layer_id, k, v, q, q_positions, positions)
+        scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)
+        return top_k_indices(keep_last(scores, recent), kept)
 
     def compress(self, layer_id, k, v, q=None, positions=None) -> CompressedChunk:
         self._check_kv(k, v)
@@ -162,8 +183,9 @@ class TokenDropCompressor(KVCompressor):
     def compress_segment_adaptive(self, layer_id, k, v, q, q_positions, positions, n: int) -> CompressedChunk:
         """compress_segment() with a head-adaptive budget: the layer's H_kv * kept cells by one top-k
         over segment_scores() (head_budget.adaptive_keep), laid out in (token, head) order."""
+        kept = self.kept(layer_id, k)
         scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)  # [H, S]
-        mask = adaptive_keep(scores, self.kept(layer_id, k), self.head_safeguard())
+        mask = adaptive_keep(keep_last(scores, self.protected(layer_id, kept)), kept, self.head_safeguard())
         token, head = deal_cells(mask, n, self.rows(layer_id))  # [n, k_l, H] each
         cell = (token * k.shape[1] + head).flatten()
         dtype = self.config.dtype
@@ -204,6 +226,13 @@ def recent_indices(k: torch.Tensor, n: int) -> torch.Tensor:
     num_tokens = k.shape[-3]
     recent = torch.arange(num_tokens - n, num_tokens, device=k.device)
     return recent.expand(*k.shape[:-3], k.shape[-2], n)
+
+
+def keep_last(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., S] scores with the last n at +inf (kept first, like the sinks)."""
+    if n == 0:
+        return scores
+    return torch.cat([scores[..., :-n], scores.new_full((*scores.shape[:-1], n), float("inf"))], dim=-1)
 
 
 def top_k_indices(scores: torch.Tensor, n: int) -> torch.Tensor:

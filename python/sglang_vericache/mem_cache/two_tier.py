@@ -76,10 +76,10 @@ class TwoTierKV:
         self.max_draft_tokens = args.max_draft_tokens
         self.tree_cache = None
         self.fold_pages, self.fold_seconds = 0, 0.0  # pages folded so far and the seconds it took
-        head_budget = getattr(args, "kv_head_budget", "uniform")
+        head_budget = args.kv_head_budget
         cfg = CompressorConfig.from_model_config(
             args.kv_compressor, args.kv_compression_ratio, self.page_size, mc, dtype=self.kv_pool.dtype,
-            head_budget=head_budget,
+            head_budget=head_budget, keep_recent=args.kv_keep_recent,
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         n_layers = mc.num_hidden_layers
@@ -119,6 +119,15 @@ class TwoTierKV:
             args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
             self.compressor.effective_ratio(),
         )
+
+    @property
+    def keep_recent(self) -> int:
+        """The tokens a segment's end keeps first (TokenDropCompressor.protected's cap): 0 in page scope,
+        for quantizers and for droppers whose rule keeps recent tokens of its own."""
+        drop = getattr(self.compressor, "drop", self.compressor)
+        if not self.segment_scope or getattr(drop, "recent_rule", True):
+            return 0
+        return drop.config.keep_recent
 
     def resolve_scope(self, args: ServerArgs) -> bool:
         """Whether the compressor ranks segments (True) or pages (False), from --kv-compress-scope."""

@@ -80,6 +80,10 @@ class KVModeArgs(ArgsGroup):
     kv_recent_window: int = arg(128,
         help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
              "folded as one segment, leaving this many exact.")
+    kv_keep_recent: int = arg(64,
+        help="Segment scope, token droppers that rank by a score alone (expected_attention, knorm, kvzip, "
+             "kvzap): a segment's last tokens kept first, inside the budget (at most half of it): a prompt's "
+             "question, which their papers never compress. 0: the score alone.")
     kv_offload: bool = arg(False,
         help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
              "(= --kv-mode offload).")
@@ -145,6 +149,8 @@ class KVModeArgs(ArgsGroup):
         if not self.page_size <= self.kv_compress_segment_tokens <= 32767:
             raise ValueError(f"--kv-compress-segment-tokens must be in [--page-size, 32767], got "
                              f"{self.kv_compress_segment_tokens}")
+        if self.kv_keep_recent < 0:
+            raise ValueError(f"--kv-keep-recent must be >= 0, got {self.kv_keep_recent}")
         if self.kv_recent_window < 0:
             raise ValueError(f"--kv-recent-window must be >= 0, got {self.kv_recent_window}")
         if not self.kv_compression_ratio >= 1.0:
