@@ -290,6 +290,8 @@ def test_segment_scope_output_equals_deterministic_full_mode(llama, full, compre
     vc, sched = run(llama, dtype, kv_compressor=compressor, kv_compression_ratio=4, speculative_algorithm="VERICACHE",
                     speculative_num_draft_tokens="4", vericache_schedule=schedule, kv_recent_window=8)
     assert sched.two_tier.segment_scope
+    # the methods that rank by a score alone keep a segment's last tokens first (--kv-keep-recent, 64)
+    assert sched.two_tier.keep_recent == (64 if compressor in ("expected_attention", "knorm", "kvzip_proxy") else 0)
     assert [r.output_ids for r in vc] == [r.output_ids for r in full[dtype]]
     assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full[dtype]]
     if schedule == "lockstep":
