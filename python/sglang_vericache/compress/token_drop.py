@@ -98,12 +98,17 @@ class TokenDropCompressor(KVCompressor):
             return recent_indices(k, self.rows(layer_id))
         return self.keep(layer_id, k, v, q, positions)
 
+    @property
+    def keep_recent(self) -> int:
+        """The most of a segment's last tokens kept first: config.keep_recent, 0 for a method's own recent rule."""
+        return 0 if self.recent_rule else self.config.keep_recent
+
     def protected(self, layer_id: int, kept: int) -> int:
         """A segment's last tokens kept whatever their score, of a budget of kept (the module docstring): at
         most half of what the sinks leave, so sinks and recent tokens never fill the budget between them."""
-        if self.recent_rule or self.sliding(layer_id):
+        if self.sliding(layer_id):
             return 0
-        return min(self.config.keep_recent, max(0, kept - self.config.num_sink_tokens) // 2)
+        return min(self.keep_recent, max(0, kept - self.config.num_sink_tokens) // 2)
 
     def keep_segment(self, layer_id: int, k, v, q, q_positions, positions) -> torch.Tensor:
         """compress_segment()'s uniform [H_kv, n * k_l] indices: a sliding layer's most recent, else

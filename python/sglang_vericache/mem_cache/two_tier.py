@@ -125,9 +125,7 @@ class TwoTierKV:
         """The tokens a segment's end keeps first (TokenDropCompressor.protected's cap): 0 in page scope,
         for quantizers and for droppers whose rule keeps recent tokens of its own."""
         drop = getattr(self.compressor, "drop", self.compressor)
-        if not self.segment_scope or getattr(drop, "recent_rule", True):
-            return 0
-        return drop.config.keep_recent
+        return getattr(drop, "keep_recent", 0) if self.segment_scope else 0
 
     def resolve_scope(self, args: ServerArgs) -> bool:
         """Whether the compressor ranks segments (True) or pages (False), from --kv-compress-scope."""

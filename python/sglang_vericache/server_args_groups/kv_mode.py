@@ -82,7 +82,7 @@ class KVModeArgs(ArgsGroup):
              "folded as one segment, leaving this many exact.")
     kv_keep_recent: int = arg(64,
         help="Segment scope, token droppers that rank by a score alone (expected_attention, knorm, kvzip, "
-             "kvzap): a segment's last tokens kept first, inside the budget (at most half of it): a prompt's "
+             "kvzap): a segment's last tokens kept first, inside the budget (at most half of what the 4 sinks leave): a prompt's "
              "question, which their papers never compress. 0: the score alone.")
     kv_offload: bool = arg(False,
         help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
