@@ -17,7 +17,9 @@ from sglang_vericache.speculative.controller import RequestView, StepCostModel, 
 from sglang_vericache.speculative.full_mode_note import FullModeNote, best_rounds, full_mode_reason
 from sglang_vericache.speculative.round_state import SPEC_META_DEFAULTS
 
-SERVING_FLAGS = ("--log-level", "info", "--decode-log-interval", "4")  # test_bench_serving.py's server
+# A server of this module's own: the "Decode batch." lines fall every N decode iterations counted since the
+# server started (SGLang's forward_ct_decode), so a server other tests decoded on would shift them.
+SERVING_FLAGS = ("--log-level", "info", "--decode-log-interval", "3")
 VERICACHE_FLAGS = ("--log-level", "info", "--decode-log-interval", "4", "--kv-compressor", "int8",
                    "--speculative-algorithm", "VERICACHE", "--page-size", "8")  # the default (adaptive) schedule
 PROMPT_IDS = [7, 300, 9, 301, 11, 302, 13, 303, 15, 304] * 2  # 20 tokens, shared with no other test's prompt
@@ -60,12 +62,12 @@ def test_full_mode_startup_line_meta_and_periodic_lines(full_server):
         "KV mode: full (exact KV only, in the KV pool; no VeriCache)"]
     meta, log = generate_and_log(full_server, 10)
     assert {k: v for k, v in meta.items() if k.startswith("spec_")} == SPEC_ZEROS
-    # One prefill of 20 tokens (2 pages of 16 held), then 9 decode steps: lines before steps 4 and 8.
+    # One prefill of 20 tokens (2 pages of 16 held), then 9 decode steps: lines before steps 3, 6 and 9.
     assert scheduler_lines(log, "Prefill batch.") == [
         "Prefill batch. #new-seq: 1, #new-token: 20, #cached-token: 0, #token: 32, token usage: 0.00, "
         "#running-req: 0, #queue-req: 0"]
     decode = scheduler_lines(log, "Decode batch.")
-    assert len(decode) == 2
+    assert len(decode) == 3
     for line in decode:
         assert re.fullmatch(r"Decode batch\. #running-req: 1, #token: 32, token usage: 0\.00, "
                             r"gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0", line), line
