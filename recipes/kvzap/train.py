@@ -8,12 +8,15 @@ and kvzap/<stem>.eval.json).
     PYTHONPATH=python .venv/bin/python recipes/kvzap/train.py --model-path DIR --train-files 8
 
 Data: the corpus manifest's train files (recipes/code_model; the stdlib of this machine's Python),
-the first --tokens-per-file tokens of each file that long, prefilled in float32; per page of --page-size tokens,
-kvzip's reconstruction pass (compress/kvzip_reconstruction.py) and its scores
-(kvzip.reconstruction_scores) per layer and KV head are the targets (log, sinks excluded), and the
-hidden states entering each layer's attention are the inputs. Held-out: the manifest's held-out
-files (the benchmarks' prompts come from them). A checkpoint without a manifest (a .gguf file) reads
-the bundled model's. Deterministic (--seed, 2 threads). CI never runs it.
+the first --tokens-per-file tokens of each file that long, prefilled in float32. The targets are the
+scores kvzip ranks by at the serving scope (--scope; log, sinks excluded), per layer and KV head:
+segment (the default, as --kv-compress-scope auto serves token droppers): each text is one segment,
+replayed by kvzip's reconstruction passes in chunks of 2,048 tokens over all of it
+(ReconstructionRunner.segment_passes, TwoTierKV.segment_reconstruction_scores); page: one pass per
+page of --page-size tokens. The inputs are the hidden states entering each layer's attention.
+Held-out: the manifest's held-out files (the benchmarks' prompts come from them). A checkpoint
+without a manifest (a .gguf file) reads the bundled model's. Deterministic (--seed, 2 threads). CI
+never runs it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_vericache.compress.base import surrogate_path
+from sglang_vericache.compress.base import KVZIP_CHUNK_TOKENS, surrogate_path
 from sglang_vericache.compress.kvzap import KVzapSurrogate
 from sglang_vericache.utils.hf_tokenizer import get_tokenizer
 from sglang_vericache.compress.kvzip import reconstruction_scores
@@ -49,20 +52,25 @@ def manifest_files(model_path: str, split: str) -> list[Path]:
 
 
 class Collector:
-    """Runs the checkpoint (float32, no scheduler) and turns a token sequence into per-page
-    (hidden states, log kvzip scores, sink mask)."""
+    """Runs the checkpoint (float32, no scheduler) and turns a token sequence into per-unit (a
+    segment: the whole sequence; else a page) hidden states, log kvzip scores and sink mask."""
 
-    def __init__(self, model_path: str, page_size: int, num_sink_tokens: int = 4, tokenizer=None):
+    def __init__(self, model_path: str, page_size: int, segment: bool, num_sink_tokens: int = 4, tokenizer=None):
+        # kv_compressor kvzip: the runner keeps room past the context for a segment's replay chunk.
         self.mr = ModelRunner(ServerArgs(model_path=model_path, dtype="float32", skip_tokenizer_init=True,
-                                         page_size=page_size, max_running_requests=2, max_total_tokens=8192))
+                                         page_size=page_size, max_running_requests=2, max_total_tokens=16384,
+                                         kv_compressor="kvzip" if segment else None))
         self.page = page_size
+        self.segment = segment
         self.sinks = num_sink_tokens
-        self.rec = ReconstructionRunner(self.mr, page_size, repeat_prompts(tokenizer), num_sink_tokens)
+        self.rec = ReconstructionRunner(self.mr, page_size, repeat_prompts(tokenizer), num_sink_tokens,
+                                        chunk_tokens=KVZIP_CHUNK_TOKENS if segment else None)
         mc = self.mr.model_config
         self.scale = mc.head_dim**-0.5
 
-    def pages(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids (a multiple of the page) -> X [P, T, L, hidden], y [P, T, L, H_kv] (log score), sink [P, T]."""
+    def units(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids (a multiple of the page) -> X [P, T, L, hidden], y [P, T, L, H_kv] (log score), sink [P, T]:
+        P pages of T = page_size tokens, or P = 1 segment of T = len(ids)."""
         mr, t = self.mr, self.page
         req = new_req(mr)
         fb = prepare_forward_batch(mr, [req], [ids], logits_indices=torch.empty(0, dtype=torch.int64))
@@ -74,22 +82,25 @@ class Collector:
             mr.capture_hidden = False
         n_layers = mr.model_config.num_hidden_layers
         hidden = torch.stack([fb.captured_q[layer].float() for layer in range(n_layers)], dim=1)  # [N, L, hidden]
-        starts = list(range(0, len(ids), t))
-        passes = self.rec.passes(req.pool_idx, ids, starts)
         slots = mr.req_to_token_pool.req_to_token[req.pool_idx, : len(ids)]
         pool = mr.token_to_kv_pool
-        ys = []
-        for j, s in enumerate(starts):
-            per_layer = []
-            for layer in range(n_layers):
-                k = pool.get_key_buffer(layer)[slots[s : s + t]]
-                per_layer.append(reconstruction_scores(passes[j][layer], k, self.scale).t())  # [T, H_kv]
-            ys.append(torch.stack(per_layer, dim=1))
+
+        def scores(a: int, b: int, layers) -> torch.Tensor:  # keys [a, b) by their pass -> [b - a, L, H_kv]
+            return torch.stack([reconstruction_scores(rec, pool.get_key_buffer(layer)[slots[a:b]], self.scale).t()
+                                for layer, rec in enumerate(layers)], dim=1)
+
+        if self.segment:
+            ys = [torch.cat([scores(a, b, layers) for a, b, layers in self.rec.segment_passes(
+                req.pool_idx, ids, 0, len(ids))])]
+            t = len(ids)
+        else:
+            starts = list(range(0, len(ids), t))
+            ys = [scores(s, s + t, layers) for s, layers in zip(starts, self.rec.passes(req.pool_idx, ids, starts))]
         mr.token_to_kv_pool_allocator.free(slots)
         mr.req_to_token_pool.free(req.pool_idx)
         y = torch.log(torch.stack(ys).clamp_min(1e-30))
         pos = torch.arange(len(ids)).view(-1, t)
-        return hidden.view(len(starts), t, n_layers, -1), y, pos < self.sinks
+        return hidden.view(len(ids) // t, t, n_layers, -1), y, pos < self.sinks
 
 
 def collect(collector: Collector, tok, files: list[Path], tokens_per_file: int, label: str, limit: int):
@@ -103,7 +114,7 @@ def collect(collector: Collector, tok, files: list[Path], tokens_per_file: int, 
         if len(ids) < tokens_per_file:  # one length for every text (as kvpress's KVzap data): the
             continue  # softmax denominators do not change with it
         ids = ids[: tokens_per_file // collector.page * collector.page]
-        x, y, s = collector.pages(ids)
+        x, y, s = collector.units(ids)
         xs.append(x)
         ys.append(y)
         sinks.append(s)
@@ -162,9 +173,9 @@ def predict_all(s: KVzapSurrogate, x: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(s: KVzapSurrogate, x, y, sink, keep_ratio: float) -> dict:
-    """On pages x [P, T, L, hidden], y [P, T, L, H]: per layer Pearson r of the log scores (sinks
-    excluded), and the overlap of the kept sets (top T / keep_ratio per page and head, sinks
-    first, as the compressor keeps) of the surrogate's and kvzip's scores."""
+    """On units (pages or segments) x [P, T, L, hidden], y [P, T, L, H]: per layer Pearson r of the log
+    scores (sinks excluded), and the overlap of the kept sets (top T / keep_ratio per unit and head,
+    sinks first, as the compressor keeps) of the surrogate's and kvzip's scores."""
     p, t, n_layers, h = y.shape
     pred = predict_all(s, x)
     free = ~sink[..., None, None].expand_as(y)
@@ -193,11 +204,16 @@ def main() -> None:
     ap.add_argument("--model-path", default=default_model_path(),
                     help="Checkpoint folder or .gguf file (default: the served default model, SmolLM2-135M-Instruct's "
                          "GGUF file).")
-    ap.add_argument("--page-size", type=int, default=32, help="Page = kvzip's scoring chunk (the benchmarks' 32).")
-    ap.add_argument("--train-files", type=int, default=24,
+    ap.add_argument("--scope", choices=("segment", "page"), default="segment",
+                    help="Which kvzip scores to learn: segment (each text one segment, as --kv-compress-scope auto "
+                         "serves kvzip and kvzap) or page (each page of --page-size alone, --kv-compress-scope page).")
+    ap.add_argument("--page-size", type=int, default=32, help="The KV page; --scope page: kvzip's scoring chunk.")
+    ap.add_argument("--train-files", type=int, default=16,
                     help="Train-split files read (manifest order, those of at least --tokens-per-file tokens).")
-    ap.add_argument("--heldout-files", type=int, default=8, help="Held-out files read for the report (likewise).")
-    ap.add_argument("--tokens-per-file", type=int, default=512, help="Leading tokens of each file used.")
+    ap.add_argument("--heldout-files", type=int, default=4, help="Held-out files read for the report (likewise).")
+    ap.add_argument("--tokens-per-file", type=int, default=None,
+                    help="Leading tokens of each file used (default: 2048, one replay chunk, for --scope segment; "
+                         "512 for page).")
     ap.add_argument("--mlp-width", type=int, default=64, help="The MLP's hidden width M.")
     ap.add_argument("--epochs", type=int, default=8, help="MLP epochs.")
     ap.add_argument("--lr", type=float, default=3e-3, help="MLP learning rate (AdamW, cosine).")
@@ -207,11 +223,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="Surrogate file (default: where --kv-compressor kvzap looks: "
                     "<folder>/kvzap/surrogate.safetensors, or <dir>/kvzap/<stem>.safetensors beside a .gguf file).")
     args = ap.parse_args()
+    if args.tokens_per_file is None:
+        args.tokens_per_file = 2048 if args.scope == "segment" else 512
     torch.set_num_threads(2)
     torch.manual_seed(args.seed)
     tok = get_tokenizer(args.model_path)
     t0 = time.perf_counter()
-    col = Collector(args.model_path, args.page_size, tokenizer=tok)
+    col = Collector(args.model_path, args.page_size, args.scope == "segment", tokenizer=tok)
     train = collect(col, tok, manifest_files(args.model_path, "train"), args.tokens_per_file, "train",
                     args.train_files)
     held = collect(col, tok, manifest_files(args.model_path, "heldout"), args.tokens_per_file, "held-out",
@@ -220,7 +238,7 @@ def main() -> None:
     x, y, sink = train
     free = ~sink.flatten()
     xf, yf = x.flatten(0, 1)[free], y.flatten(0, 1)[free]
-    print(f"collected {len(xf)} train tokens ({x.shape[0]} pages), {held[0].shape[0]} held-out pages "
+    print(f"collected {len(xf)} train tokens ({x.shape[0]} {args.scope}s), {held[0].shape[0]} held-out {args.scope}s "
           f"in {collect_s:.0f} s", flush=True)
     t1 = time.perf_counter()
     models = {"linear": fit_linear(xf, yf, args.l2)}
@@ -237,8 +255,11 @@ def main() -> None:
               f"{h['topk_overlap']:.3f} (random {h['topk_overlap_random']:.3f})")
     best = max(models, key=lambda n: report["models"][n]["heldout"]["topk_overlap"])
     out = args.out or surrogate_path(args.model_path)
+    if os.path.exists(out):  # the surrogate this run replaces, on the same held-out units
+        h = report["replaced"] = evaluate(KVzapSurrogate.load(out), *held, args.keep_ratio)
+        print(f"replaced surrogate: held-out Pearson r {h['pearson_r_mean']:.3f}, kept-set overlap {h['topk_overlap']:.3f}")
     report["shipped"] = best
-    meta = {"kind": best, "page_size": str(args.page_size), "heldout_topk_overlap":
+    meta = {"kind": best, "scope": args.scope, "page_size": str(args.page_size), "heldout_topk_overlap":
             f"{report['models'][best]['heldout']['topk_overlap']:.4f}", "recipe": "recipes/kvzap/train.py"}
     models[best].save(out, metadata=meta)
     report["bytes"] = os.path.getsize(out)

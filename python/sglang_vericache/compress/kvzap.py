@@ -4,8 +4,9 @@ hidden states by a small per-layer surrogate, so serving runs no reconstruction 
 The surrogate of layer l maps the hidden state h [hidden] that enters the layer's attention
 (after its input norm) to one predicted log KVzip score per KV head: linear (W [hidden, H_kv], b)
 or a 2-layer MLP (W1 [hidden, M], b1, GELU, W2 [M, H_kv], b2). recipes/kvzap/train.py fits it to
-our kvzip's scores (compress/kvzip.py: the per-page reconstruction pass) on the bundled model's
-training text and writes `kvzap/surrogate.safetensors` in the checkpoint's folder; `--kv-compressor kvzap`
+our kvzip's scores at the scope served (compress/kvzip.py: by default a whole segment's replay, else
+each page's pass) on the bundled model's training text and writes `kvzap/surrogate.safetensors` in the
+checkpoint's folder; `--kv-compressor kvzap`
 loads it from --model-path. kvpress regresses KVzip+ (the attention over ||h|| times ||W_o v||) and
 thresholds it; here the target is the score kvzip ranks by, and the kept count per head is the
 static k_l of every token dropper (sinks first, ties to the lower index).
@@ -69,6 +70,7 @@ class KVzapCompressor(TokenDropCompressor):
 
     name = "kvzap"
     reads_hidden = True
+    default_keep_recent = 128  # KVzap runs beside DMS's sliding window of 128 tokens (kvpress DMSPress)
 
     def __init__(self, config, surrogate: KVzapSurrogate | None = None):
         super().__init__(config)
