@@ -154,7 +154,8 @@ def main() -> None:
                         "same count) or adaptive (AdaKV: one top-k over the layer's heads); the scope column reads "
                         "'segment, adaptive'.")
     p.add_argument("--kv-keep-recent", type=int, default=None,
-                   help="--kv-keep-recent of the token droppers (default: the server's, 64): a segment's last tokens "
+                   help="--kv-keep-recent of the token droppers (default: the server's, each method's own: kvzap 128, the "
+                        "others 64): a segment's last tokens "
                         "kept first by the methods that rank by a score alone; the scope column reads "
                         "'segment, last N kept' (0: the score alone, as before).")
     p.add_argument("--combine", nargs="+", default=None, metavar="NAME",

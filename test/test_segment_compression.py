@@ -179,6 +179,15 @@ def test_a_method_with_a_recent_rule_of_its_own_ignores_keep_recent(name):
     assert a.tolist() == b.tolist()
 
 
+@pytest.mark.parametrize("name, own", [("kvzap", 128), ("knorm", 64), ("expected_attention", 64), ("kvzip", 64),
+                                       ("kvzip_proxy", 64), ("snapkv", 0), ("h2o", 0), ("knorm+int8", 64)])
+def test_keep_recent_defaults_to_the_methods_own_window(name, own):
+    # kvzap: DMS's sliding window of 128 (kvpress DMSPress), beside which its paper runs it; the others 64
+    drop = lambda c: c.drop if "+" in name else c  # noqa: E731
+    assert drop(get_compressor(name, config(name, ratio=4))).keep_recent == own
+    assert drop(get_compressor(name, config(name, ratio=4, keep_recent=32))).keep_recent == (32 if own else 0)
+
+
 SLIDING_CASES = [(n, "uniform") for n in ("snapkv", "h2o", "knorm", "expected_attention", "streamingllm",
                                            "snapkv+int8")] + [(n, "adaptive") for n in ("snapkv", "h2o",
                                                                                         "expected_attention")]

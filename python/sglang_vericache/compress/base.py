@@ -88,8 +88,9 @@ class CompressorConfig:
     head_budget: Literal["uniform", "adaptive"] = "uniform"
     alpha_safeguard: float = 0.20  # kvpress AdaKVPress's default
     # token droppers that rank by a score alone (expected_attention, knorm, kvzip, kvzap): a segment's last
-    # keep_recent tokens are kept first, inside the budget (TokenDropCompressor.protected)
-    keep_recent: int = 64
+    # keep_recent tokens are kept first, inside the budget (TokenDropCompressor.protected); None: the
+    # method's own (TokenDropCompressor.default_keep_recent)
+    keep_recent: int | None = None
     # kvquant
     outlier_fraction: float = 0.01  # share of each chunk's K (and V) values kept exact in a sparse side list
     kmeans_iters: int = 8  # Lloyd iterations fitting the chunk's non-uniform levels
@@ -114,7 +115,7 @@ class CompressorConfig:
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
         if ((self.window_size is not None and self.window_size < 1) or self.group_size < 1 or self.pyramid_beta < 1
-                or self.num_sink_tokens < 0 or self.keep_recent < 0):
+                or self.num_sink_tokens < 0 or (self.keep_recent is not None and self.keep_recent < 0)):
             raise ValueError("window_size, group_size and pyramid_beta must be >= 1, num_sink_tokens and "
                              "keep_recent >= 0")
         if not 0 <= self.h2o_recent_fraction <= 1:

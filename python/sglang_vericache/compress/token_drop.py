@@ -17,10 +17,11 @@ the draft kernels stay as they are. The score rules live in each method's `selec
 reads queries takes the segment's.
 
 A segment's last tokens. Methods whose rule ranks by a score alone (ExpectedAttention, K-norm, KVzip,
-KVzap) keep a segment's last config.keep_recent tokens first (64; at most half of what the sinks leave of
-the budget), inside the budget, then rank the rest: at the end of a prompt those are its question, which
-the papers' pipelines never compress (kvpress compresses a context and appends the question exact; KVzap
-runs beside DMS's sliding window of recent tokens). Methods with a recent part of their own
+KVzap) keep a segment's last config.keep_recent tokens first (default: the method's own, 128 for KVzap,
+which its paper runs beside DMS's sliding window of 128 recent tokens (kvpress DMSPress), 64 for the
+others; at most half of what the sinks leave of the budget), inside the budget, then rank the rest: at the
+end of a prompt those are its question, which the papers' pipelines never compress (kvpress compresses a
+context and appends the question exact). Methods with a recent part of their own
 (`recent_rule`: SnapKV's observation window, H2O's recent tokens, StreamingLLM) keep theirs instead.
 
 Head-adaptive budgets (config.head_budget == "adaptive", compress/head_budget.py): compress_segment()
@@ -40,6 +41,7 @@ from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, own
 
 class TokenDropCompressor(KVCompressor):
     recent_rule = False  # the method's own rule keeps a segment's most recent tokens (no keep_recent)
+    default_keep_recent = 64  # keep_recent when config.keep_recent is None (the module docstring)
 
     def __init__(self, config):
         super().__init__(config)
@@ -100,8 +102,11 @@ class TokenDropCompressor(KVCompressor):
 
     @property
     def keep_recent(self) -> int:
-        """The most of a segment's last tokens kept first: config.keep_recent, 0 for a method's own recent rule."""
-        return 0 if self.recent_rule else self.config.keep_recent
+        """The most of a segment's last tokens kept first: config.keep_recent (None: the method's
+        default_keep_recent), 0 for a method's own recent rule."""
+        if self.recent_rule:
+            return 0
+        return self.default_keep_recent if self.config.keep_recent is None else self.config.keep_recent
 
     def protected(self, layer_id: int, kept: int) -> int:
         """A segment's last tokens kept whatever their score, of a budget of kept (the module docstring): at

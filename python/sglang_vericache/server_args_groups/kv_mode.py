@@ -80,10 +80,11 @@ class KVModeArgs(ArgsGroup):
     kv_recent_window: int = arg(128,
         help="Segment scope: generated tokens kept exact; past twice this, the older whole pages are "
              "folded as one segment, leaving this many exact.")
-    kv_keep_recent: int = arg(64,
+    kv_keep_recent: int | None = arg(None,
         help="Segment scope, token droppers that rank by a score alone (expected_attention, knorm, kvzip, "
-             "kvzap): a segment's last tokens kept first, inside the budget (at most half of what the 4 sinks leave): a prompt's "
-             "question, which their papers never compress. 0: the score alone.")
+             "kvzap): a segment's last tokens kept first, inside the budget (at most half of what the 4 sinks "
+             "leave): a prompt's question, which their papers never compress. 0: the score alone. Default: the "
+             "method's own, 128 for kvzap (DMS's sliding window, beside which its paper runs it), 64 for the others.")
     kv_offload: bool = arg(False,
         help="Baseline: full mode with exact KV in host memory, streamed over the link at every step "
              "(= --kv-mode offload).")
@@ -149,7 +150,7 @@ class KVModeArgs(ArgsGroup):
         if not self.page_size <= self.kv_compress_segment_tokens <= 32767:
             raise ValueError(f"--kv-compress-segment-tokens must be in [--page-size, 32767], got "
                              f"{self.kv_compress_segment_tokens}")
-        if self.kv_keep_recent < 0:
+        if self.kv_keep_recent is not None and self.kv_keep_recent < 0:
             raise ValueError(f"--kv-keep-recent must be >= 0, got {self.kv_keep_recent}")
         if self.kv_recent_window < 0:
             raise ValueError(f"--kv-recent-window must be >= 0, got {self.kv_recent_window}")
