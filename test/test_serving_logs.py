@@ -49,12 +49,16 @@ def scheduler_lines(log: str, prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def full_server(server, default_model_dir):
-    return server(default_model_dir, *SERVING_FLAGS)
+    s = server(default_model_dir, *SERVING_FLAGS)
+    yield s
+    s.kill()  # no other module asks for these flags: its memory back now, not at the session's end
 
 
 @pytest.fixture(scope="module")
 def vericache_server(server, default_model_dir):
-    return server(default_model_dir, *VERICACHE_FLAGS)
+    s = server(default_model_dir, *VERICACHE_FLAGS)
+    yield s
+    s.kill()
 
 
 def test_full_mode_startup_line_meta_and_periodic_lines(full_server):
