@@ -93,7 +93,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
     rows = []
     pairs = [(c, None, "page") if c in QUANTIZERS else (c, r, sc)
              for c in args.compressors for r in args.ratios for sc in args.kv_compress_scopes]
-    budget = {} if args.kv_head_budget == "uniform" else {"kv_head_budget": args.kv_head_budget}
+    budget = {} if args.kv_head_budget == "auto" else {"kv_head_budget": args.kv_head_budget}
     if args.kv_keep_recent is not None:
         budget["kv_keep_recent"] = args.kv_keep_recent
     configs = [(c, r, sc, x) for c, r, sc in dict.fromkeys(pairs) for x in args.draft_tokens]
@@ -111,7 +111,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
         rows.append({
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
             "compressor": name, "ratio": ratio, "scope": m["scope"], "draft_tokens": x,
-            "head_budget": args.kv_head_budget if name not in QUANTIZERS else "uniform",
+            "head_budget": m["head_budget"],
             "keep_recent": m["keep_recent"],
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
@@ -149,10 +149,10 @@ def main() -> None:
     p.add_argument("--kv-compress-scopes", nargs="+", default=["auto"], choices=("auto", "page", "segment"),
                    help="--kv-compress-scope values to run each token dropper with (quantizers: once, page): "
                         "page = each page ranked alone (before issue 37), segment = whole prompts.")
-    p.add_argument("--kv-head-budget", default="uniform", choices=("uniform", "adaptive"),
+    p.add_argument("--kv-head-budget", default="auto", choices=("auto", "uniform", "adaptive"),
                    help="--kv-head-budget of the token droppers (segment scope): uniform (every KV head keeps the "
-                        "same count) or adaptive (AdaKV: one top-k over the layer's heads); the scope column reads "
-                        "'segment, adaptive'.")
+                        "same count) or adaptive (AdaKV: one top-k over the layer's heads; the scope column reads "
+                        "'segment, adaptive'); default auto: the server's, each method's own (kvzap adaptive).")
     p.add_argument("--kv-keep-recent", type=int, default=None,
                    help="--kv-keep-recent of the token droppers (default: the server's, each method's own: kvzap 128, the "
                         "others 64): a segment's last tokens "

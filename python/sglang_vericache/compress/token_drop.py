@@ -42,6 +42,7 @@ from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, own
 class TokenDropCompressor(KVCompressor):
     recent_rule = False  # the method's own rule keeps a segment's most recent tokens (no keep_recent)
     default_keep_recent = 64  # keep_recent when config.keep_recent is None (the module docstring)
+    default_head_budget = "uniform"  # --kv-head-budget auto in segment scope (mem_cache/two_tier.py)
 
     def __init__(self, config):
         super().__init__(config)

@@ -23,6 +23,7 @@ Two scopes (`segment_scope`, --kv-compress-scope):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -79,9 +80,15 @@ class TwoTierKV:
         head_budget = args.kv_head_budget
         cfg = CompressorConfig.from_model_config(
             args.kv_compressor, args.kv_compression_ratio, self.page_size, mc, dtype=self.kv_pool.dtype,
-            head_budget=head_budget, keep_recent=args.kv_keep_recent,
+            head_budget="uniform" if head_budget == "auto" else head_budget, keep_recent=args.kv_keep_recent,
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
+        self.segment_scope = self.resolve_scope(args)
+        if head_budget == "auto":  # the method's own where adaptive can run (check_head_adaptive's cases)
+            own = getattr(self.compressor, "default_head_budget", "uniform")
+            if own == "adaptive" and self.segment_scope and "+" not in args.kv_compressor:
+                head_budget = "adaptive"
+                self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget=head_budget))
         n_layers = mc.num_hidden_layers
         device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
@@ -97,7 +104,6 @@ class TwoTierKV:
         if num_chunks < 1:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
-        self.segment_scope = self.resolve_scope(args)
         if head_budget == "adaptive":
             check_head_adaptive(self.compressor, args.kv_compressor, self.segment_scope)
         self.segment_pages = args.kv_compress_segment_tokens // self.page_size

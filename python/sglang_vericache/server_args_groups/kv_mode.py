@@ -69,11 +69,13 @@ class KVModeArgs(ArgsGroup):
              "view, and generated tokens in segments past an exact recent window; one budget over the "
              "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
              "dual-instance role or --speculative-ngram; page otherwise.")
-    kv_head_budget: str = arg("uniform", choices=("uniform", "adaptive"),
+    kv_head_budget: str = arg("auto", choices=("auto", "uniform", "adaptive"),
         help="Segment scope, score-based token droppers (snapkv, pyramidkv, expected_attention, knorm, kvzip, "
              "kvzap): uniform (every KV head keeps the same number of tokens) or adaptive (AdaKV / kvpress "
              "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20%% of its "
-             "uniform share (kvzip: no safeguard, as KVzipPress); the same total per layer).")
+             "uniform share (kvzip: no safeguard, as KVzipPress); the same total per layer). auto: the "
+             "method's own: adaptive for kvzap (its paper prunes by a score threshold, so heads keep what "
+             "they score), uniform for the others and wherever adaptive cannot run (page scope, DROP+QUANT).")
     kv_compress_segment_tokens: int = arg(8192,
         help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
              "most 32767).")
@@ -143,8 +145,8 @@ class KVModeArgs(ArgsGroup):
                              "tiers")
         if self.kv_compressor is not None:
             split_kv_compressor(self.kv_compressor)  # a name or DROP+QUANT; ValueError names the bad part
-        if self.kv_head_budget not in ("uniform", "adaptive"):
-            raise ValueError(f"--kv-head-budget must be uniform or adaptive, got {self.kv_head_budget!r}")
+        if self.kv_head_budget not in ("auto", "uniform", "adaptive"):
+            raise ValueError(f"--kv-head-budget must be auto, uniform or adaptive, got {self.kv_head_budget!r}")
         if self.kv_compress_scope not in ("auto", "page", "segment"):
             raise ValueError(f"--kv-compress-scope must be auto, page or segment, got {self.kv_compress_scope!r}")
         if not self.page_size <= self.kv_compress_segment_tokens <= 32767:
