@@ -1,7 +1,7 @@
 """Head-adaptive budgets (AdaKV; --kv-head-budget adaptive): one top-k over a layer's (KV head, token)
 scores with kvpress's safeguard, cells tagged with their KV head, the draft attention of head h over
 the cells tagged h (fused CPU kernel and torch path), and VeriCache still deterministic full mode's
-tokens and logprobs bitwise."""
+tokens and logprobs bitwise; --kv-head-budget auto resolving to each method's own."""
 
 from __future__ import annotations
 
@@ -229,3 +229,20 @@ def test_adaptive_budget_refuses_page_scope_compositions_and_unscored_methods(ll
         with pytest.raises(ValueError, match=why):
             Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
                                  kv_head_budget="adaptive", speculative_algorithm="VERICACHE", **server))
+
+
+@pytest.mark.parametrize("compressor, server, adaptive", [
+    ("kvzap", {}, True),  # auto: kvzap's own, per-head budgets (its paper's threshold)
+    ("kvzap", {"kv_head_budget": "uniform"}, False),  # an explicit value wins
+    ("kvzap", {"kv_compress_scope": "page"}, False),  # a page alone keeps a uniform budget
+    ("kvzap+int8", {}, False),  # DROP+QUANT: uniform
+    ("kvzip", {}, True),  # KVzip's own: its scores ranked across heads (KVzipPress)
+    ("snapkv", {}, False),  # the others' own: uniform
+    ("snapkv", {"kv_head_budget": "adaptive"}, True),
+])
+def test_head_budget_auto_is_the_methods_own(compressor, server, adaptive):
+    sched = Scheduler(ServerArgs(model_path=bundled_model_path(), dtype="bfloat16", page_size=16,
+                                 kv_compressor=compressor, kv_compression_ratio=4, speculative_algorithm="VERICACHE",
+                                 **server))
+    drop = getattr(sched.two_tier.compressor, "drop", sched.two_tier.compressor)
+    assert drop.head_adaptive == adaptive

@@ -94,19 +94,3 @@ def test_vericache_over_the_bundled_models_kvzap_equals_deterministic_full():
     assert sched.model_runner.capture_hidden and sched.two_tier.compressor.surrogate.hidden_size == 256
     assert sched.two_tier.segment_scope and sched.two_tier.compressor.head_adaptive  # --kv-head-budget auto
     assert sched.metrics.spec_rounds_total > 0
-
-
-@pytest.mark.parametrize("compressor, server, adaptive", [
-    ("kvzap", {}, True),  # auto: kvzap's own, per-head budgets (its paper's threshold)
-    ("kvzap", {"kv_head_budget": "uniform"}, False),  # an explicit value wins
-    ("kvzap", {"kv_compress_scope": "page"}, False),  # a page alone keeps a uniform budget
-    ("kvzap+int8", {}, False),  # DROP+QUANT: uniform
-    ("snapkv", {}, False),  # the others' own: uniform
-    ("snapkv", {"kv_head_budget": "adaptive"}, True),
-])
-def test_head_budget_auto_is_the_methods_own(compressor, server, adaptive):
-    sched = Scheduler(ServerArgs(model_path=bundled_model_path(), dtype="bfloat16", page_size=16,
-                                 kv_compressor=compressor, kv_compression_ratio=4, speculative_algorithm="VERICACHE",
-                                 **server))
-    drop = getattr(sched.two_tier.compressor, "drop", sched.two_tier.compressor)
-    assert drop.head_adaptive == adaptive

@@ -156,8 +156,9 @@ def test_segment_scope_keeps_the_top_k_of_the_whole_prompt_from_its_chunked_repl
     """Segment scope: the prompt's whole pages replayed in chunks of 2 pages (each chunk's pass after
     the segment, over all of it), each chunk's keys scored by its own pass, the top k_l * n per
     head taken over the whole segment and dealt k_l to each chunk in position order; written out
-    here from one prefill per chunk (deterministic inference is chunking-invariant)."""
-    sched = scheduler(qwen2, **SEGMENT)
+    here from one prefill per chunk (deterministic inference is chunking-invariant). Uniform head
+    budgets (kvzip's default ranks across heads: test_head_adaptive.py)."""
+    sched = scheduler(qwen2, **SEGMENT, kv_head_budget="uniform")
     tt, mr = sched.two_tier, sched.model_runner
     tt.reconstruction.chunk_tokens = 2 * PAGE
     ids = prompts([45], seed=3)[0]

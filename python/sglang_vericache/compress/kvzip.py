@@ -87,6 +87,7 @@ class KVzipCompressor(TokenDropCompressor):
 
     name = "kvzip"
     needs_reconstruction = True
+    default_head_budget = "adaptive"  # KVzip ranks its scores across heads (kvpress KVzipPress)
 
     def __init__(self, config):
         super().__init__(config)

@@ -74,8 +74,9 @@ class KVModeArgs(ArgsGroup):
              "kvzap): uniform (every KV head keeps the same number of tokens) or adaptive (AdaKV / kvpress "
              "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20%% of its "
              "uniform share (kvzip: no safeguard, as KVzipPress); the same total per layer). auto: the "
-             "method's own: adaptive for kvzap (its paper prunes by a score threshold, so heads keep what "
-             "they score), uniform for the others and wherever adaptive cannot run (page scope, DROP+QUANT).")
+             "method's own: adaptive for kvzip and kvzip_proxy (KVzip ranks across heads) and kvzap (its paper "
+             "prunes by a score threshold), uniform for the others and wherever adaptive cannot run (page "
+             "scope, DROP+QUANT).")
     kv_compress_segment_tokens: int = arg(8192,
         help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
              "most 32767).")
