@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--kv-head-budget", default="auto", choices=("auto", "uniform", "adaptive"),
                    help="--kv-head-budget of the token droppers (segment scope): uniform (every KV head keeps the "
                         "same count) or adaptive (AdaKV: one top-k over the layer's heads; the scope column reads "
-                        "'segment, adaptive'); default auto: the server's, each method's own (kvzap adaptive).")
+                        "'segment, adaptive'); default auto: the server's, each method's own (kvzip, kvzip_proxy and kvzap adaptive).")
     p.add_argument("--kv-keep-recent", type=int, default=None,
                    help="--kv-keep-recent of the token droppers (default: the server's, each method's own: kvzap 128, the "
                         "others 64): a segment's last tokens "
