@@ -47,21 +47,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMP_CHUNKS = 4096
 
 
-def check_head_adaptive(compressor, name: str, segment_scope: bool) -> None:
-    """--kv-head-budget adaptive needs segment scope and one score-based token dropper (compress/head_budget.py)."""
+def head_adaptive_refusal(compressor, name: str, segment_scope: bool) -> str | None:
+    """Why --kv-head-budget adaptive cannot run here (None: it can): it needs segment scope and one
+    score-based token dropper (compress/head_budget.py)."""
     from sglang_vericache.compress.token_drop import TokenDropCompressor
 
-    why = None
     if "+" in name:
-        why = "a DROP+QUANT composition"
-    elif not isinstance(compressor, TokenDropCompressor):
-        why = "not a token dropper"
-    elif type(compressor).segment_scores is TokenDropCompressor.segment_scores:
-        why = "its selection is not a per-token score"
-    elif not segment_scope:
-        why = "page scope (a page alone keeps a uniform budget): use --kv-compress-scope segment"
-    if why is not None:
-        raise ValueError(f"--kv-head-budget adaptive: not with {name} ({why})")
+        return "a DROP+QUANT composition"
+    if not isinstance(compressor, TokenDropCompressor):
+        return "not a token dropper"
+    if type(compressor).segment_scores is TokenDropCompressor.segment_scores:
+        return "its selection is not a per-token score"
+    if not segment_scope:
+        return "page scope (a page alone keeps a uniform budget): use --kv-compress-scope segment"
+    return None
 
 
 class TwoTierKV:
@@ -84,11 +83,11 @@ class TwoTierKV:
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         self.segment_scope = self.resolve_scope(args)
-        if head_budget == "auto":  # the method's own where adaptive can run (check_head_adaptive's cases)
-            own = getattr(self.compressor, "default_head_budget", "uniform")
-            if own == "adaptive" and self.segment_scope and "+" not in args.kv_compressor:
-                head_budget = "adaptive"
-                self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget=head_budget))
+        refusal = head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope)
+        if head_budget == "adaptive" and refusal is not None:
+            raise ValueError(f"--kv-head-budget adaptive: not with {args.kv_compressor} ({refusal})")
+        if head_budget == "auto" and refusal is None and self.compressor.default_head_budget == "adaptive":
+            self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget="adaptive"))
         n_layers = mc.num_hidden_layers
         device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
@@ -104,8 +103,6 @@ class TwoTierKV:
         if num_chunks < 1:
             raise ValueError(f"{flag} leaves too little accelerator memory for one compressed chunk")
         self.pool = CompressedKVPool(self.compressor, n_layers, num_chunks, device=model_runner.device)
-        if head_budget == "adaptive":
-            check_head_adaptive(self.compressor, args.kv_compressor, self.segment_scope)
         self.segment_pages = args.kv_compress_segment_tokens // self.page_size
         self.recent_window = args.kv_recent_window
         self.windows = [self.compressor.query_window(layer) for layer in range(n_layers)]
