@@ -124,12 +124,28 @@ def _same(got, want, label):
     assert [r.output_token_logprobs for r in got] == [r.output_token_logprobs for r in want], label
 
 
-@pytest.mark.parametrize("compressor", ["snapkv", "kivi4"])
-def test_vericache_equals_deterministic_full_mode_bfloat16(gemma3, deterministic_full, compressor):
+@pytest.mark.parametrize("compressor, server", [("snapkv", {}), ("kivi4", {}), ("kvzip", {}),
+                                                ("expected_attention", {"kv_head_budget": "global"})])
+def test_vericache_equals_deterministic_full_mode_bfloat16(gemma3, deterministic_full, compressor, server,
+                                                          monkeypatch):
+    """kvzip (global budgets, its default) and expected_attention with global budgets: the global layers share the
+    segment's chunks, the sliding layers keep their own chunks and most recent tokens, read through their window."""
+    from sglang_vericache.mem_cache import two_tier
+
+    dealt, real = [], two_tier.compress_segment
+    monkeypatch.setattr(two_tier, "compress_segment",
+                        lambda c, kv, pool, slots, ids, *a: dealt.append((pool, ids, real(c, kv, pool, slots, ids, *a)))
+                        or dealt[-1][2])
     vc, sched = serve(gemma3, prompts(), "bfloat16", enable_deterministic_inference=True, kv_compressor=compressor,
                       kv_compression_ratio=2, speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4",
-                      vericache_schedule="lockstep")
+                      vericache_schedule="lockstep", **server)
     _same(vc, deterministic_full, compressor)
+    assert getattr(sched.two_tier.compressor, "layer_global", False) == (compressor in ("kvzip", "expected_attention"))
+    sliding = [i for i, t in enumerate(sched.model_runner.model_config.hf_config.layer_types) if t == "sliding_attention"]
+    for pool, ids, chunks in dealt:
+        if chunks is not None:  # global: a sliding layer's chunks are its own ids in its own buffer
+            assert all(torch.equal(chunks[i], pool.layer_chunks(i, ids)) for i in sliding)
+    assert any(chunks is not None for _, _, chunks in dealt) == (compressor in ("kvzip", "expected_attention"))
     assert sched.metrics.spec_rounds_total > 0
     types = sched.model_runner.model_config.hf_config.layer_types  # the sliding layers keep their recent tokens
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")

@@ -1,7 +1,8 @@
 """Head-adaptive budgets (AdaKV; --kv-head-budget adaptive): one top-k over a layer's (KV head, token)
 scores with kvpress's safeguard, cells tagged with their KV head, the draft attention of head h over
 the cells tagged h (fused CPU kernel and torch path), and VeriCache still deterministic full mode's
-tokens and logprobs bitwise; --kv-head-budget auto resolving to each method's own."""
+tokens and logprobs bitwise; global budgets (--kv-head-budget global): one top-k over every layer, a
+segment's chunks dealt to the layers by their counts; --kv-head-budget auto resolving to each method's own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from sglang_vericache.compress.base import CompressorConfig
-from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells
+from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, global_keep
 from sglang_vericache.compress.registry import get_compressor
 from sglang_vericache.managers.scheduler import Scheduler
 from sglang_vericache.server_args import ServerArgs, bundled_model_path
@@ -37,6 +38,27 @@ def test_adaptive_keep_is_one_top_k_over_heads_after_each_heads_safeguard():
     assert adaptive_keep(scores, 3, 1.0).int().tolist() == [[1, 1, 1, 0, 0, 0], [0, 1, 0, 1, 0, 1]]
     token, head = deal_cells(adaptive_keep(scores, 3, 0.5), 3, 1)  # 3 chunks of 1 row x 2 heads
     assert token.flatten().tolist() == [0, 1, 2, 3, 3, 4] and head.flatten().tolist() == [0, 0, 0, 0, 1, 0]
+
+
+def test_global_keep_ranks_every_layer_at_once_in_whole_chunks():
+    inf = float("inf")
+    # 2 layers, 1 head, 2 pages of 2 tokens, 1 row per page: 4 cells over both layers, one per chunk
+    masks, chunks = global_keep([torch.tensor([[9.0, 8.0, 7.0, 1.0]]), torch.tensor([[0.5, 6.0, 0.2, 0.1]])], 2, 1)
+    assert chunks == [3, 1] and [m.int().tolist() for m in masks] == [[[1, 1, 1, 0]], [[0, 1, 0, 0]]]
+    # 2 heads (2 cells a chunk): layer 0 wins 5 of the 8 cells, layer 1 3: floors 2 / 1, the spare chunk to
+    # the lower layer on equal remainders; each layer then keeps its own top 2 * chunks cells
+    masks, chunks = global_keep([torch.tensor([[9.0, 8.0, 7.0, 1.5], [6.0, 0.0, 0.0, 0.0]]),
+                                 torch.tensor([[5.0, 4.0, 0.0, 0.0], [3.0, 1.0, 0.0, 0.0]])], 2, 1)
+    assert chunks == [3, 1]
+    assert [m.int().tolist() for m in masks] == [[[1, 1, 1, 1], [1, 1, 0, 0]], [[1, 1, 0, 0], [0, 0, 0, 0]]]
+    # 3 rows a chunk, 8 tokens: a layer holds at most 8 // 3 = 2 chunks, so layer 0's larger remainder
+    # (8 cells: 2 chunks + 2) cannot take the spare chunk and layer 1 (4 cells: 1 + 1) does; +inf is kept
+    low = torch.arange(1.0, 9.0)[None] / 10
+    masks, chunks = global_keep([torch.full((1, 8), 9.0), low], 2, 3)
+    assert chunks == [2, 2]
+    assert [m.int().tolist() for m in masks] == [[[1, 1, 1, 1, 1, 1, 0, 0]], [[0, 0, 1, 1, 1, 1, 1, 1]]]
+    masks, chunks = global_keep([torch.zeros(1, 4), torch.tensor([[inf, inf, inf, 0.0]])], 2, 1)
+    assert chunks == [1, 3] and masks[1].int().tolist() == [[1, 1, 1, 0]]
 
 
 def test_snapkv_adaptive_gives_the_spread_head_more_cells_and_stores_each_cells_head():
@@ -195,6 +217,53 @@ def test_adaptive_budget_output_equals_deterministic_full_mode(llama, full, comp
     assert moved_cells(sched) > 0  # some head kept more than its uniform share (cells outside its column)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_path"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("compressor", ["expected_attention", "kvzip"])
+def test_global_budget_output_equals_deterministic_full_mode(llama, full, compressor, dtype, fused, monkeypatch):
+    """Global budgets: each segment's L * n flat chunks are dealt whole to the layers, every dealt cell holds
+    its own layer's K / V of the token and head it names, the layers' counts differ, and VeriCache's tokens and
+    logprobs are deterministic full mode's bitwise, from the fused kernel and from the torch path."""
+    from sglang_vericache.layers.attention import torch_backend
+    from sglang_vericache.mem_cache import two_tier
+
+    counts = []
+    real = two_tier.compress_segment
+
+    def checked(comp, kv_pool, pool, slots, ids, *rest):
+        chunks = real(comp, kv_pool, pool, slots, ids, *rest)
+        counts.append(dealt_counts(kv_pool, pool, slots, ids, chunks))
+        return chunks
+
+    monkeypatch.setattr(two_tier, "compress_segment", checked)
+    if not fused:
+        monkeypatch.setattr(torch_backend, "fused_draft_available", lambda: False)
+    vc, sched = run(llama, dtype, kv_compressor=compressor, kv_compression_ratio=4, kv_head_budget="global",
+                    speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4", vericache_schedule="lockstep",
+                    kv_recent_window=8)
+    assert sched.two_tier.compressor.layer_global
+    assert [r.output_ids for r in vc] == [r.output_ids for r in full[dtype]]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full[dtype]]
+    assert sched.metrics.spec_rounds_total > 0
+    assert counts and all(sum(c) == len(c) * n for c, n in counts)
+    assert any(len(set(c)) > 1 for c, _ in counts)  # some layer kept more than its uniform share
+
+
+def dealt_counts(kv_pool, pool, slots, ids, chunks, tagged: bool = True) -> tuple[list[int], int]:
+    """Checks one dealt segment (every flat chunk of its ids handed to one layer, each holding that layer's
+    K / V of the token and head it names); returns (each layer's chunk count, the segment's pages)."""
+    every = torch.cat([pool.layer_chunks(layer, ids) for layer in range(pool.num_layers)])
+    assert sorted(torch.cat(chunks).tolist()) == sorted(every.tolist())  # each flat chunk dealt once
+    for layer, mine in enumerate(chunks):
+        k, v = (pool.flat[name][mine] for name in ("k", "v"))
+        token = pool.flat["idx"][mine].long()
+        head = pool.flat["head"][mine].long() if tagged else torch.arange(k.shape[2]).expand(token.shape)
+        exact_k = kv_pool.get_key_buffer(layer)[slots.to(kv_pool.device)]  # [S, H_kv, D]
+        exact_v = kv_pool.get_value_buffer(layer)[slots.to(kv_pool.device)]
+        assert torch.equal(k, exact_k[token, head].to(k.dtype)) and torch.equal(v, exact_v[token, head].to(v.dtype))
+    return [len(c) for c in chunks], len(ids)
+
+
 def moved_cells(sched) -> int:
     """Cells of the compressed pool (freed chunks keep their bytes) that hold another column's head."""
     pool = sched.two_tier.pool
@@ -225,18 +294,19 @@ def test_adaptive_budget_refuses_page_scope_compositions_and_unscored_methods(ll
     for server, why in [(dict(kv_compressor="snapkv", kv_compress_scope="page"), "page scope"),
                         (dict(kv_compressor="snapkv+kivi4"), "composition"),
                         (dict(kv_compressor="h2o"), "not a per-token score"),
-                        (dict(kv_compressor="int8"), "not a token dropper")]:
+                        (dict(kv_compressor="int8"), "not a token dropper"),
+                        (dict(kv_compressor="pyramidkv", kv_head_budget="global"), "layer budgets are its own")]:
         with pytest.raises(ValueError, match=why):
             Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True, page_size=8,
-                                 kv_head_budget="adaptive", speculative_algorithm="VERICACHE", **server))
+                                 **{"kv_head_budget": "adaptive", **server}, speculative_algorithm="VERICACHE"))
 
 
 @pytest.mark.parametrize("compressor, server, adaptive", [
-    ("kvzap", {}, True),  # auto: kvzap's own, per-head budgets (its paper's threshold)
+    ("kvzap", {}, True),  # auto: kvzap's own, global budgets (its paper's one threshold)
     ("kvzap", {"kv_head_budget": "uniform"}, False),  # an explicit value wins
     ("kvzap", {"kv_compress_scope": "page"}, False),  # a page alone keeps a uniform budget
     ("kvzap+int8", {}, False),  # DROP+QUANT: uniform
-    ("kvzip", {}, True),  # KVzip's own: its scores ranked across heads (KVzipPress)
+    ("kvzip", {}, True),  # KVzip's own: its scores ranked across heads and layers (KVzipPress)
     ("snapkv", {}, False),  # the others' own: uniform
     ("snapkv", {"kv_head_budget": "adaptive"}, True),
 ])
@@ -246,3 +316,4 @@ def test_head_budget_auto_is_the_methods_own(compressor, server, adaptive):
                                  **server))
     drop = getattr(sched.two_tier.compressor, "drop", sched.two_tier.compressor)
     assert drop.head_adaptive == adaptive
+    assert drop.layer_global == (adaptive and compressor != "snapkv")  # global: kvzip's and kvzap's own

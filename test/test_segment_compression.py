@@ -105,6 +105,82 @@ def test_budgets_are_exact_per_layer_over_the_segment():
     assert sum(comp.rows(layer) for layer in range(layers)) == layers * (T // 4)
 
 
+def test_pyramidkv_segment_budgets_are_kvpress_with_its_snapkv_fallback():
+    from fractions import Fraction
+
+    from sglang_vericache.compress.pyramidkv import layer_budgets
+
+    # 4x of 4,096 tokens: the smallest layer's 1024 // 20 = 51 is under the window (64): SnapKV's uniform 1024
+    assert layer_budgets(30, 4096, 1024, 64, 20) == [Fraction(1024)] * 30
+    # 4x of 8,000: 3,900 in layer 0 down to 100 in layer 29, mean 2,000
+    b = layer_budgets(30, 8000, 2000, 64, 20)
+    assert (b[0], b[29], sum(b) / 30) == (3900, 100, 2000)
+    # 2x of 2,000, window 64: 1,950 would pass num_tokens - window: capped at 1,936, the smallest 2 * 1000 - 1936
+    b = layer_budgets(3, 2000, 1000, 64, 20)
+    assert b == [1936, 1000, 64]
+
+
+def test_pyramidkv_deals_a_segments_chunks_by_its_layer_budgets():
+    """3 layers, 4 pages of 8 at 4x (2 rows a page), window 4, beta 2: budgets 12 / 8 / 4 tokens per head, so
+    layers 0-2 get 6 / 4 / 2 of the segment's 12 chunks, each its own SnapKV top 12 / 8 / 4 in position order."""
+    comp = get_compressor("pyramidkv", config("pyramidkv", ratio=4, layers=3, kernel_size=1, window_size=4,
+                                              pyramid_beta=2, segment_layers=True))
+    assert comp.deals_layers and [comp.rows(layer) for layer in range(3)] == [2, 2, 2]
+    g = torch.Generator().manual_seed(3)
+    ranked = {}
+    for layer in range(3):
+        k, v = torch.randn(32, H_KV, D, generator=g), torch.randn(32, H_KV, D, generator=g)
+        q = torch.randn(6, H_Q, D, generator=g)
+        ranked[layer] = (k, v, comp.ranked_scores(layer, k, v, q, torch.arange(26, 32), torch.arange(32)))
+    dealt = comp.deal_layers(ranked, 4)
+    assert [dealt[layer][0] for layer in range(3)] == [6, 4, 2]
+    for layer, kept in zip(range(3), (12, 8, 4)):
+        k, v, scores = ranked[layer]
+        chunk = dealt[layer][1]
+        want = top_k_indices(scores, kept)  # [H, kept] ascending
+        assert chunk["idx"].permute(2, 0, 1).flatten(1).tolist() == want.tolist()
+        assert {28, 29, 30, 31} <= set(want[0].tolist())  # the window's keys first
+        for h in range(H_KV):
+            assert torch.equal(chunk["k"][..., h, :].flatten(0, 1), k[want[h], h])
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """3 layers (a pyramid has a middle), 1,024 positions."""
+    return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama3")), num_hidden_layers=3,
+                                  max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pyramidkv_dealt_budgets_output_equals_deterministic_full_mode(llama3, dtype, monkeypatch):
+    """Prompts long enough for a pyramid (its window set to 4 here): the layers' chunk counts differ, every
+    dealt chunk holds its layer's K / V, and VeriCache is deterministic full mode's tokens and logprobs."""
+    from sglang_vericache.compress import pyramidkv
+    from sglang_vericache.mem_cache import two_tier
+    from test_head_adaptive import dealt_counts
+
+    monkeypatch.setattr(pyramidkv, "SEGMENT_WINDOW", 4)
+    counts = []
+    real = two_tier.compress_segment
+
+    def checked(comp, kv_pool, pool, slots, ids, *rest):
+        chunks = real(comp, kv_pool, pool, slots, ids, *rest)
+        counts.append(dealt_counts(kv_pool, pool, slots, ids, chunks, tagged=False))
+        return chunks
+
+    monkeypatch.setattr(two_tier, "compress_segment", checked)
+    lens = [420, 333]
+    full_out = run(llama3, dtype, prompt_lens=lens)[0]
+    vc, sched = run(llama3, dtype, prompt_lens=lens, kv_compressor="pyramidkv", kv_compression_ratio=4,
+                    speculative_algorithm="VERICACHE", speculative_num_draft_tokens="4",
+                    vericache_schedule="lockstep", kv_recent_window=8)
+    assert [r.output_ids for r in vc] == [r.output_ids for r in full_out]
+    assert [r.output_token_logprobs for r in vc] == [r.output_token_logprobs for r in full_out]
+    assert sched.metrics.spec_rounds_total > 0
+    prompts = [c for c, n in counts if n >= 40]  # the prompts' segments (52 and 41 pages): a pyramid
+    assert len(prompts) == 2 and all(c[0] > c[1] > c[-1] for c in prompts)
+
+
 @pytest.mark.parametrize("name", ["knorm", "streamingllm", "h2o", "expected_attention", "kvzip_proxy"])
 def test_every_dropper_keeps_n_times_k_over_a_segment(name):
     comp = get_compressor(name, config(name, ratio=4, keep_recent=0))  # each method's rule alone
@@ -241,9 +317,9 @@ def llama(tmp_path_factory):
     return make_random_checkpoint("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-def run(path, dtype, **server):
+def run(path, dtype, prompt_lens=PROMPT_LENS, **server):
     g = torch.Generator().manual_seed(5)
-    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in prompt_lens]
     sched = Scheduler(ServerArgs(model_path=path, dtype=dtype, skip_tokenizer_init=True, page_size=8,
                                  enable_deterministic_inference=True, **server))
     reqs = [make_request(f"r{i}", ids, max_new_tokens=NEW, ignore_eos=True, temperature=0.0, return_logprob=True)

@@ -147,6 +147,29 @@ def test_fp8_drafting_falls_back_to_torch_path(llama):
     assert backend.path_counts["torch"] == 2 * non_kernel
 
 
+@pytest.mark.parametrize("window, dealt", [(4, True), (100, False)])
+def test_dealt_layer_chunks_draft_on_the_torch_path(llama, monkeypatch, window, dealt):
+    """PyramidKV in segment scope deals a segment's chunks to the layers by its per-segment budgets: each layer's
+    own chunks, which the token-drop kernel does not read, so its DRAFT_DECODE layers take the torch path. Its
+    fallback (SnapKV's uniform budget: here with a window of 100 over 2x of ~200 tokens) deals each layer its own
+    ids, and the kernel reads them. Tokens equal the torch backend's either way."""
+    from sglang_vericache.compress import pyramidkv
+
+    monkeypatch.setattr(pyramidkv, "SEGMENT_WINDOW", window)
+    server = dict(kv_compressor="pyramidkv", kv_compression_ratio=2, speculative_algorithm="VERICACHE",
+                  speculative_num_draft_tokens="2", vericache_schedule="lockstep")
+    prompts = random_prompts([170, 203])
+    sched = {}
+    got = {}
+    for backend in ("torch", "triton"):
+        sched[backend] = Scheduler(ServerArgs(model_path=llama, dtype="float32", skip_tokenizer_init=True,
+                                              page_size=8, attention_backend=backend, **server))
+        got[backend] = greedy_outputs(sched[backend], prompts, NEW)
+    assert got["triton"] == got["torch"]
+    counts = sched["triton"].model_runner.attn_backend.path_counts
+    assert counts["verify"] > 0 and ("draft_token_drop" in counts) != dealt
+
+
 def test_registry_names_the_backends():
     from sglang_vericache.layers.attention.triton_backend import TritonAttnBackend
 

@@ -82,10 +82,15 @@ class CompressorConfig:
     n_future_positions: int = 512  # future query positions the expected RoPE rotation is averaged over
     # kvzip
     kvzip_prompt_tokens: int = 8  # length of the repeat prompt before the reconstructed chunk (proxy offset)
-    # token droppers over a segment: "uniform" (every KV head keeps the same count) or "adaptive" (AdaKV:
+    # token droppers over a segment: "uniform" (every KV head keeps the same count), "adaptive" (AdaKV:
     # one top-k over the layer's (head, token) scores, each head keeping at least alpha_safeguard of its
-    # uniform share; compress/head_budget.py)
-    head_budget: Literal["uniform", "adaptive"] = "uniform"
+    # uniform share) or "global" (one top-k over every layer's (head, token) scores, no safeguard: KVzipPress,
+    # KVzap's threshold); compress/head_budget.py
+    head_budget: Literal["uniform", "adaptive", "global"] = "uniform"
+    # segment scope: a method with layer budgets of its own per segment (PyramidKV, global head budgets) has its
+    # segment's chunks dealt to the layers (mem_cache/compressed_pool.compress_segment), so every layer's
+    # layout holds the mean budget; False (page scope): each layer's rows per page are its layout's
+    segment_layers: bool = False
     alpha_safeguard: float = 0.20  # kvpress AdaKVPress's default
     # token droppers that rank by a score alone (expected_attention, knorm, kvzip, kvzap): a segment's last
     # keep_recent tokens are kept first, inside the budget (TokenDropCompressor.protected); None: the
@@ -122,8 +127,8 @@ class CompressorConfig:
             raise ValueError(f"h2o_recent_fraction must be in [0, 1], got {self.h2o_recent_fraction}")
         if not 0 <= self.outlier_fraction < 1:
             raise ValueError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")
-        if self.head_budget not in ("uniform", "adaptive"):
-            raise ValueError(f"head_budget must be 'uniform' or 'adaptive', got {self.head_budget!r}")
+        if self.head_budget not in ("uniform", "adaptive", "global"):
+            raise ValueError(f"head_budget must be 'uniform', 'adaptive' or 'global', got {self.head_budget!r}")
         if not 0 <= self.alpha_safeguard <= 1:
             raise ValueError(f"alpha_safeguard must be in [0, 1], got {self.alpha_safeguard}")
         if self.n_future_positions < 1 or self.kvzip_prompt_tokens < 0 or self.kmeans_iters < 0:

@@ -71,7 +71,7 @@ class KVzapCompressor(TokenDropCompressor):
     name = "kvzap"
     reads_hidden = True
     default_keep_recent = 128  # KVzap runs beside DMS's sliding window of 128 tokens (kvpress DMSPress)
-    default_head_budget = "adaptive"  # its paper keeps what scores above a threshold: per head, not a fixed share
+    default_head_budget = "global"  # its paper keeps what scores above one threshold: per head and layer, no fixed share
 
     def __init__(self, config, surrogate: KVzapSurrogate | None = None):
         super().__init__(config)

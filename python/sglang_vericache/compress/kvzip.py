@@ -87,7 +87,7 @@ class KVzipCompressor(TokenDropCompressor):
 
     name = "kvzip"
     needs_reconstruction = True
-    default_head_budget = "adaptive"  # KVzip ranks its scores across heads (kvpress KVzipPress)
+    default_head_budget = "global"  # KVzip ranks its scores across heads and layers (kvpress KVzipPress)
 
     def __init__(self, config):
         super().__init__(config)

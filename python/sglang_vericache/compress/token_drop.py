@@ -26,7 +26,9 @@ context and appends the question exact). Methods with a recent part of their own
 
 Head-adaptive budgets (config.head_budget == "adaptive", compress/head_budget.py): compress_segment()
 keeps the layer's H_kv * kept tokens by one top-k over `segment_scores()` across heads (AdaKV), and
-each stored cell names its KV head (an extra `head` [k_l, H_kv] int8 tensor).
+each stored cell names its KV head (an extra `head` [k_l, H_kv] int8 tensor). Global budgets
+(config.head_budget == "global") rank every layer's `ranked_scores()` at once, so the segment is compressed
+by mem_cache/compressed_pool.compress_segment, which sees every layer, through `cells_chunk()`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from abc import abstractmethod
 import torch
 
 from sglang_vericache.compress.base import CompressedChunk, KVCompressor, Layout, TensorSpec
-from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, own_heads
+from sglang_vericache.compress.head_budget import adaptive_keep, deal_cells, global_keep, own_heads
 
 
 class TokenDropCompressor(KVCompressor):
@@ -48,7 +50,8 @@ class TokenDropCompressor(KVCompressor):
         super().__init__(config)
         if config.chunk_size > torch.iinfo(torch.int16).max:
             raise ValueError(f"chunk_size {config.chunk_size} does not fit int16 indices")
-        self.head_adaptive = config.head_budget == "adaptive"
+        self.head_adaptive = config.head_budget in ("adaptive", "global")  # cells tagged with their KV head
+        self.layer_global = config.head_budget == "global"  # one top-k over every layer (deal_layers)
         if self.head_adaptive and config.num_kv_heads > torch.iinfo(torch.int8).max:
             raise ValueError(f"head-adaptive budgets: {config.num_kv_heads} KV heads do not fit int8 head ids")
 
@@ -175,7 +178,11 @@ class TokenDropCompressor(KVCompressor):
         if self.head_adaptive and not self.sliding(layer_id):
             return self.compress_segment_adaptive(layer_id, k, v, q, q_positions, positions.to(k.device), rows)
         keep = self.keep_segment(layer_id, k, v, q, q_positions, positions.to(k.device))  # [H, n * k_l]
-        idx = deal(keep, rows, self.rows(layer_id))  # [n, k_l, H]
+        return self.rows_chunk(k, v, keep, rows, self.rows(layer_id))
+
+    def rows_chunk(self, k, v, keep: torch.Tensor, n: int, rows: int) -> CompressedChunk:
+        """Each head's kept tokens keep [H, n * rows] (ascending) as n chunks of rows per head (deal)."""
+        idx = deal(keep, n, rows)  # [n, rows, H]
         gather = idx.flatten(0, 1)[..., None].expand(-1, -1, k.shape[-1])
         dtype = self.config.dtype
         tensors = {
@@ -187,6 +194,22 @@ class TokenDropCompressor(KVCompressor):
             tensors["head"] = own_heads(idx.shape[:-1], k.shape[-2], k.device)
         return CompressedChunk(tensors)
 
+    @property
+    def deals_layers(self) -> bool:
+        """Whether a segment's chunks are dealt to the layers by per-segment layer budgets (deal_layers; the
+        pool's compress_segment ranks every layer first): global head budgets here, PyramidKV's own."""
+        return self.layer_global
+
+    def deal_layers(self, ranked: dict, n: int) -> dict[int, tuple[int, CompressedChunk | None]]:
+        """ranked: layer -> (k, v, ranked_scores) of one segment of n pages, the layers that share its chunks
+        -> layer -> (its chunk count c_l, its c_l chunks; None if 0), sum c_l = len(ranked) * n. Global head
+        budgets: head_budget.global_keep."""
+        layers = sorted(ranked)
+        rows = self.rows(layers[0])
+        masks, counts = global_keep([ranked[layer][2] for layer in layers], n, rows)
+        return {layer: (c, self.cells_chunk(*ranked[layer][:2], mask, c, rows) if c else None)
+                for layer, mask, c in zip(layers, masks, counts)}
+
     def head_safeguard(self) -> float:
         """Head-adaptive budgets: the share of its uniform budget each head keeps first (AdaKV's alpha)."""
         return self.config.alpha_safeguard
@@ -195,9 +218,19 @@ class TokenDropCompressor(KVCompressor):
         """compress_segment() with a head-adaptive budget: the layer's H_kv * kept cells by one top-k
         over segment_scores() (head_budget.adaptive_keep), laid out in (token, head) order."""
         kept = self.kept(layer_id, k)
-        scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)  # [H, S]
-        mask = adaptive_keep(keep_last(scores, self.protected(layer_id, kept)), kept, self.head_safeguard())
-        token, head = deal_cells(mask, n, self.rows(layer_id))  # [n, k_l, H] each
+        mask = adaptive_keep(self.ranked_scores(layer_id, k, v, q, q_positions, positions), kept, self.head_safeguard())
+        return self.cells_chunk(k, v, mask, n, self.rows(layer_id))
+
+    def ranked_scores(self, layer_id, k, v, q, q_positions, positions) -> torch.Tensor:
+        """[H, S] segment_scores() with the segment's protected() last tokens at +inf: what adaptive and
+        global budgets rank."""
+        scores = self.segment_scores(layer_id, k, v, q, q_positions, positions)
+        return keep_last(scores, self.protected(layer_id, self.kept(layer_id, k)))
+
+    def cells_chunk(self, k, v, mask: torch.Tensor, n: int, rows: int) -> CompressedChunk:
+        """The kept cells of mask [H, S] (n * rows * H of them) as n head-tagged chunks of rows * H cells, in
+        (token, head) order (head_budget.deal_cells)."""
+        token, head = deal_cells(mask, n, rows)  # [n, rows, H] each
         cell = (token * k.shape[1] + head).flatten()
         dtype = self.config.dtype
         return CompressedChunk(

@@ -62,9 +62,11 @@ class Req:
     meta: dict = field(default_factory=dict)
 
     # Two-tier modes (see mem_cache/two_tier.py): compressed chunk ids of pages [0, C), of which the
-    # first comp_prefix_len // page_size are the radix tree's; queries awaiting a fold.
+    # first comp_prefix_len // page_size are the radix tree's; under global budgets each layer's flat
+    # chunks of those ids (None: chunk id c of layer l, as everywhere else); queries awaiting a fold.
     comp_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     comp_prefix_len: int = 0
+    comp_layer_chunks: list[torch.Tensor] | None = None
     q_hist: dict = field(default_factory=dict)
     # VeriCache (speculative/round_state.py): this round's drafts, their grammar masks, and the rest
     # of the request's round state.
@@ -131,6 +133,7 @@ class Req:
         self.kv_allocated_len = 0
         self.comp_indices = _EMPTY
         self.comp_prefix_len = 0
+        self.comp_layer_chunks = None
         self.q_hist = {}
         self.spec.retract(self.grammar)
         self.num_retractions += 1

@@ -180,6 +180,7 @@ class PrefillAdder:
             self.tree_cache.inc_comp_lock_ref(req.last_node)
             req.comp_indices = match.comp_indices
             req.comp_prefix_len = match.comp_len
+            req.comp_layer_chunks = None
         prefix_len = len(match.device_indices)
         self.req_to_token_pool.write(idx, 0, match.device_indices)
         req.kv_committed_len = req.kv_allocated_len = prefix_len

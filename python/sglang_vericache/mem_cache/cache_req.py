@@ -21,6 +21,7 @@ class CacheReq(Protocol):
     req_pool_idx: int | None
     kv_committed_len: int  # positions with computed KV in req_to_token[req_pool_idx]
     comp_indices: torch.Tensor  # compressed chunk ids of pages [0, C) (mem_cache/two_tier.py)
+    comp_layer_chunks: list[torch.Tensor] | None  # global budgets: each layer's flat chunks of those ids
     q_hist: dict  # per layer, queries awaiting a fold
     meta: dict  # counters reported in meta_info
     spec: DraftingState

@@ -6,6 +6,12 @@ buffer `[num_chunks + 1, *s.shape]`; chunk id 0 is padding and never handed out,
 never 0. The pool lives in "device" memory with its own budget, apart from the exact pool
 (MHATokenToKVPool), which in VeriCache mode plays the host pool.
 
+Where every layer has the same layout, the L buffers of a tensor are slices of one `flat` buffer
+`[L * (num_chunks + 1), *s.shape]`: chunk id c of layer l is flat chunk l * (num_chunks + 1) + c
+(`layer_chunks`). Global budgets (compress/head_budget.py) deal a segment's L * n flat chunks to the
+layers by their budgets, so a layer's chunks are then any of its ids' flat chunks, in any layer's slice;
+the request keeps which (TwoTierKV, Req.comp_layer_chunks) and draft attention reads them from `flat`.
+
 Ownership mirrors the exact tier: ids in the radix tree belong to the tree (freed by its
 eviction); a request owns the ids it allocated itself until it inserts them or frees them.
 """
@@ -32,11 +38,20 @@ class CompressedKVPool:
         self.chunk_size = compressor.config.chunk_size  # exact tokens per chunk (= page_size)
         self.layouts: list[Layout] = [compressor.layout(i) for i in range(num_layers)]
         self._chunk_bytes = sum(lay.chunk_nbytes() for lay in self.layouts)  # read at every iteration
-        self.buffers: list[dict[str, torch.Tensor]] = [
-            {s.name: torch.zeros((num_chunks + 1, *s.shape), dtype=s.dtype, device=device)
-             for s in lay.tensors}
-            for lay in self.layouts
-        ]
+        self.flat: dict[str, torch.Tensor] | None = None  # every layer's buffer as one (module docstring)
+        if all(lay == self.layouts[0] for lay in self.layouts):
+            self.flat = {s.name: torch.zeros((num_layers * (num_chunks + 1), *s.shape), dtype=s.dtype, device=device)
+                         for s in self.layouts[0].tensors}
+            self.buffers: list[dict[str, torch.Tensor]] = [
+                {name: buf[i * (num_chunks + 1) : (i + 1) * (num_chunks + 1)] for name, buf in self.flat.items()}
+                for i in range(num_layers)
+            ]
+        else:
+            self.buffers = [
+                {s.name: torch.zeros((num_chunks + 1, *s.shape), dtype=s.dtype, device=device)
+                 for s in lay.tensors}
+                for lay in self.layouts
+            ]
         self.clear()
 
     @staticmethod
@@ -83,12 +98,17 @@ class CompressedKVPool:
         layout = self.layouts[layer_id]
         assert chunk.matches(layout), f"chunk does not match layer {layer_id}'s layout"
         assert chunk.batch_shape(layout) == (len(ids),), f"{chunk.batch_shape(layout)=} for {len(ids)} ids"
-        ids = ids.to(self.device)
-        for name, buf in self.buffers[layer_id].items():
-            src = chunk[name].to(self.device)
-            if buf.element_size() == 1:  # CPU index_copy_ lacks float8: copy the bytes
-                buf, src = buf.view(torch.uint8), src.view(torch.uint8)
-            buf.index_copy_(0, ids, src)
+        _copy_in(self.buffers[layer_id], ids.to(self.device), chunk, self.device)
+
+    def layer_chunks(self, layer_id: int, ids: torch.Tensor) -> torch.Tensor:
+        """The flat chunks of ids in layer layer_id's buffer (the module docstring)."""
+        return ids.to(torch.int64) + layer_id * (self.num_chunks + 1)
+
+    def write_flat(self, flat_ids: torch.Tensor, chunk: CompressedChunk) -> None:
+        """Stores chunk (batched, leading dim len(flat_ids)) under flat chunks flat_ids."""
+        assert self.flat is not None, "the layers' layouts differ: no flat buffer"
+        assert chunk.matches(self.layouts[0]) and chunk.batch_shape(self.layouts[0]) == (len(flat_ids),)
+        _copy_in(self.flat, flat_ids.to(self.device), chunk, self.device)
 
     def read(self, layer_id: int, ids: torch.Tensor) -> CompressedChunk:
         """The chunks under ids (a copy), batched with leading dim len(ids), in the order of ids."""
@@ -115,6 +135,14 @@ class CompressedKVPool:
     def size_bytes(self) -> int:
         """Bytes the buffers take, the padding chunk included."""
         return sum(b.numel() * b.element_size() for bufs in self.buffers for b in bufs.values())
+
+
+def _copy_in(buffers: dict[str, torch.Tensor], ids: torch.Tensor, chunk: CompressedChunk, device) -> None:
+    for name, buf in buffers.items():
+        src = chunk[name].to(device)
+        if buf.element_size() == 1:  # CPU index_copy_ lacks float8: copy the bytes
+            buf, src = buf.view(torch.uint8), src.view(torch.uint8)
+        buf.index_copy_(0, ids, src)
 
 
 def _index_select(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -179,7 +207,7 @@ def compress_segment(
     positions: torch.Tensor,
     queries: list[torch.Tensor | None] | None = None,
     q_positions: torch.Tensor | None = None,
-) -> None:
+) -> list[torch.Tensor] | None:
     """Compresses n whole pages of exact KV as ONE segment, every layer, into the chunk ids:
     the compressor ranks the segment's tokens together and deals k_l kept rows per head to each
     chunk (TokenDropCompressor.compress_segment).
@@ -187,17 +215,42 @@ def compress_segment(
     slots, positions: [n * T] the segment's exact slots and absolute positions; ids: [n].
     queries:   per layer, None if compressor.segment_queries(l) == 0, else the queries [Q, H_q, D]
                (kvzap: hidden states [Q, hidden]) at q_positions [Q], from the segment's start on.
+    Returns None, or where the compressor deals a segment's chunks to the layers (compressor.deals_layers:
+    global head budgets, PyramidKV's per-segment budgets) each layer's flat chunks (the module docstring).
     """
     t = compressor.config.chunk_size
     n = len(ids)
     assert len(slots) == n * t == len(positions), f"{len(slots)=} is not {n} chunks of {t}"
     slots = slots.to(kv_pool.device)
     dev = compressed_pool.device
+    ranked = {}  # dealt layers: layer -> (k, v, its ranked scores)
     for layer in range(kv_pool.num_layers):
         k = kv_pool.get_key_buffer(layer)[slots].to(dev)  # [n * T, H_kv, D]
         v = kv_pool.get_value_buffer(layer)[slots].to(dev)
         q = None if queries is None else queries[layer]
         if compressor.segment_queries(layer) and q is None:
             raise ValueError(f"{compressor.name} needs the segment's queries for layer {layer}")
+        if getattr(compressor, "deals_layers", False) and not compressor.sliding(layer):
+            ranked[layer] = (k, v, compressor.ranked_scores(layer, k, v, q, q_positions, positions.to(dev)))
+            continue
         chunk = compressor.compress_segment(layer, k, v, q=q, q_positions=q_positions, positions=positions)
         compressed_pool.write(layer, ids, chunk)
+    if not ranked:
+        return None
+    return _write_dealt(compressor, compressed_pool, ids, ranked)
+
+
+def _write_dealt(compressor, pool: CompressedKVPool, ids: torch.Tensor, ranked: dict) -> list[torch.Tensor]:
+    """The segment's flat chunks of the dealt layers (a sliding layer keeps its own), in (layer, id) order,
+    handed to them in layer order, c_l each (compressor.deal_layers), and their chunks written there."""
+    dealt = compressor.deal_layers(ranked, len(ids))
+    free = torch.cat([pool.layer_chunks(layer, ids) for layer in sorted(ranked)])
+    chunks = [pool.layer_chunks(layer, ids) for layer in range(pool.num_layers)]
+    start = 0
+    for layer in sorted(ranked):
+        c, chunk = dealt[layer]
+        chunks[layer] = free[start : start + c]
+        start += c
+        if c:
+            pool.write_flat(chunks[layer], chunk)
+    return chunks

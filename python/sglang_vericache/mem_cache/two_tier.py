@@ -2,6 +2,9 @@
 
 Per request (two-tier modes), on top of the exact-tier invariant in Req:
   comp_indices  chunk ids of pages [0, C); C * page_size <= kv_committed_len.
+  comp_layer_chunks  None, or where a segment's chunks are dealt to the layers (global head budgets,
+                PyramidKV's per-segment budgets; mem_cache/compressed_pool.py) each layer's flat chunks of
+                those ids; freeing the ids frees them all.
   q_hist        per layer, post-RoPE queries [n, H_q*D] of positions [C*ps, kv_committed_len)
                 (only for query-scored compressors: snapkv, pyramidkv, h2o, kvzip_proxy; kvzap:
                 the attention inputs [n, hidden] instead).
@@ -47,9 +50,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMP_CHUNKS = 4096
 
 
-def head_adaptive_refusal(compressor, name: str, segment_scope: bool) -> str | None:
-    """Why --kv-head-budget adaptive cannot run here (None: it can): it needs segment scope and one
-    score-based token dropper (compress/head_budget.py)."""
+def head_adaptive_refusal(compressor, name: str, segment_scope: bool, budget: str = "adaptive") -> str | None:
+    """Why --kv-head-budget adaptive or global cannot run here (None: it can): it needs segment scope and one
+    score-based token dropper (compress/head_budget.py); global also one layout in every layer."""
     from sglang_vericache.compress.token_drop import TokenDropCompressor
 
     if "+" in name:
@@ -60,6 +63,8 @@ def head_adaptive_refusal(compressor, name: str, segment_scope: bool) -> str | N
         return "its selection is not a per-token score"
     if not segment_scope:
         return "page scope (a page alone keeps a uniform budget): use --kv-compress-scope segment"
+    if budget == "global" and getattr(compressor, "own_layer_budgets", False):
+        return "its layer budgets are its own"
     return None
 
 
@@ -83,11 +88,19 @@ class TwoTierKV:
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         self.segment_scope = self.resolve_scope(args)
-        refusal = head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope)
-        if head_budget == "adaptive" and refusal is not None:
-            raise ValueError(f"--kv-head-budget adaptive: not with {args.kv_compressor} ({refusal})")
-        if head_budget == "auto" and refusal is None and self.compressor.default_head_budget == "adaptive":
-            self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget="adaptive"))
+        if self.segment_scope and "+" not in args.kv_compressor:  # layer budgets per segment (DROP+QUANT: static)
+            cfg = dataclasses.replace(cfg, segment_layers=True)
+            self.compressor = get_compressor(args.kv_compressor, cfg)
+        if head_budget == "auto":  # the method's own, where it can run
+            head_budget = getattr(self.compressor, "default_head_budget", "uniform")
+            if head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope, head_budget):
+                head_budget = "uniform"
+        elif head_budget != "uniform":
+            refusal = head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope, head_budget)
+            if refusal is not None:
+                raise ValueError(f"--kv-head-budget {head_budget}: not with {args.kv_compressor} ({refusal})")
+        if head_budget != cfg.head_budget:
+            self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget=head_budget))
         n_layers = mc.num_hidden_layers
         device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
@@ -117,10 +130,15 @@ class TwoTierKV:
         # kvzip: the model's reconstruction passes of what it folds, handed in by whoever builds the
         # cache (the scheduler: compress/kvzip_reconstruction.py); the cache never runs the model itself.
         self.reconstruction = None
+        budgets = ""
+        if self.segment_scope:
+            drop = getattr(self.compressor, "drop", self.compressor)
+            layers = "per-segment" if getattr(drop, "deals_layers", False) else "fixed"
+            budgets = f" ({drop.config.head_budget} head budgets, {layers} layer budgets)"
         logger.info(
-            "compressed tier: %s, %s scope, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
-            args.kv_compressor, "segment" if self.segment_scope else "page", num_chunks, self.page_size, self.pool.size_bytes() / 2**20,
-            self.compressor.effective_ratio(),
+            "compressed tier: %s, %s scope%s, %d chunks of %d tokens, %.1f MiB (%.2fx smaller than exact)",
+            args.kv_compressor, "segment" if self.segment_scope else "page", budgets, num_chunks, self.page_size,
+            self.pool.size_bytes() / 2**20, self.compressor.effective_ratio(),
         )
 
     @property
@@ -258,8 +276,18 @@ class TwoTierKV:
                         continue
                     q = hist[lo:]
                     queries.append(q if self.reads_hidden else q.unflatten(-1, (-1, self.compressor.config.head_dim)))
-            compress_segment(self.compressor, self.kv_pool, self.pool, row[s * ps : e * ps], ids[s - c : e - c],
-                             torch.arange(s * ps, e * ps, dtype=torch.int64), queries, q_positions)
+            seg_ids = ids[s - c : e - c]
+            chunks = compress_segment(self.compressor, self.kv_pool, self.pool, row[s * ps : e * ps], seg_ids,
+                                      torch.arange(s * ps, e * ps, dtype=torch.int64), queries, q_positions)
+            # Dealt to the layers (per-segment layer budgets): kept per layer from the first segment whose
+            # dealing is not each layer's own ids (until then, and without it, chunk id c of layer l is c).
+            own = None if chunks is None else [self.pool.layer_chunks(layer, seg_ids) for layer in range(len(chunks))]
+            if chunks is not None and (req.comp_layer_chunks is not None
+                                       or not all(torch.equal(a, b) for a, b in zip(chunks, own))):
+                if req.comp_layer_chunks is None:  # the chunks before: their own
+                    done = torch.cat([req.comp_indices, ids[: s - c]])
+                    req.comp_layer_chunks = [self.pool.layer_chunks(layer, done) for layer in range(len(chunks))]
+                req.comp_layer_chunks = [torch.cat([a, b]) for a, b in zip(req.comp_layer_chunks, chunks)]
         drop = max(0, p * ps - q_start)
         for layer in list(req.q_hist):
             req.q_hist[layer] = req.q_hist[layer][drop:]
@@ -377,6 +405,8 @@ class TwoTierKV:
         return DraftContext(
             compressed_pool=self.pool,
             comp_ids=[r.comp_indices for r in reqs],
+            layer_chunks=None if all(r.comp_layer_chunks is None for r in reqs)
+            else [r.comp_layer_chunks for r in reqs],
             tail_lens=[r.kv_committed_len + extra - len(r.comp_indices) * ps for r in reqs],
             draft_pool=draft_pool,
             draft_slots=draft_slots,

@@ -172,6 +172,8 @@ class CudaGraphRunner:
             return False  # a layer on the torch path (e.g. fp8 chunks)
         if any(s.name == "head" for lay in comp.layouts for s in lay.tensors):
             return False  # head-tagged cells (--kv-head-budget adaptive): the torch path reads them
+        if ctx.layer_chunks is not None:
+            return False  # layer budgets per segment (PyramidKV's): each layer's own chunks, on the torch path
         if ctx.new_kv == "draft" and max(len(s) for s in ctx.draft_slots) > self.max_draft_rows:
             return False
         return max(len(c) for c in ctx.comp_ids) <= self._chunk_cap(comp)

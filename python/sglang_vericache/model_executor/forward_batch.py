@@ -84,6 +84,9 @@ class DraftContext:
     draft_pool: MHATokenToKVPool | None = None
     draft_slots: list[torch.Tensor] | None = None  # per request, int64 [D_i + 1]
     new_kv: Literal["draft", "exact"] = "draft"
+    # Global budgets (mem_cache/compressed_pool.py): per request, None or each layer's flat chunks of
+    # comp_ids[i], which layer l reads (from compressed_pool.flat) instead of comp_ids[i] of its own buffer.
+    layer_chunks: list[list[torch.Tensor] | None] | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.comp_ids)

@@ -69,14 +69,14 @@ class KVModeArgs(ArgsGroup):
              "view, and generated tokens in segments past an exact recent window; one budget over the "
              "segment). auto: segment for token droppers (and DROP+QUANT) without a KV store, a "
              "dual-instance role or --speculative-ngram; page otherwise.")
-    kv_head_budget: str = arg("auto", choices=("auto", "uniform", "adaptive"),
+    kv_head_budget: str = arg("auto", choices=("auto", "uniform", "adaptive", "global"),
         help="Segment scope, score-based token droppers (snapkv, pyramidkv, expected_attention, knorm, kvzip, "
-             "kvzap): uniform (every KV head keeps the same number of tokens) or adaptive (AdaKV / kvpress "
+             "kvzap): uniform (every KV head keeps the same number of tokens), adaptive (AdaKV / kvpress "
              "AdaKVPress: one top-k over every head's scores in a layer, each head keeping at least 20%% of its "
-             "uniform share (kvzip: no safeguard, as KVzipPress); the same total per layer). auto: the "
-             "method's own: adaptive for kvzip and kvzip_proxy (KVzip ranks across heads) and kvzap (its paper "
-             "prunes by a score threshold), uniform for the others and wherever adaptive cannot run (page "
-             "scope, DROP+QUANT).")
+             "uniform share; the same total per layer) or global (one top-k over every layer's and head's "
+             "scores, no safeguard: kvpress KVzipPress, KVzap's one threshold; the same total per segment). "
+             "auto: the method's own: global for kvzip, kvzip_proxy and kvzap, uniform for the others and "
+             "wherever the method's own cannot run (page scope, DROP+QUANT).")
     kv_compress_segment_tokens: int = arg(8192,
         help="Segment scope: the longest segment in tokens (a longer prompt is folded in several; at "
              "most 32767).")
@@ -146,8 +146,8 @@ class KVModeArgs(ArgsGroup):
                              "tiers")
         if self.kv_compressor is not None:
             split_kv_compressor(self.kv_compressor)  # a name or DROP+QUANT; ValueError names the bad part
-        if self.kv_head_budget not in ("auto", "uniform", "adaptive"):
-            raise ValueError(f"--kv-head-budget must be auto, uniform or adaptive, got {self.kv_head_budget!r}")
+        if self.kv_head_budget not in ("auto", "uniform", "adaptive", "global"):
+            raise ValueError(f"--kv-head-budget must be auto, uniform, adaptive or global, got {self.kv_head_budget!r}")
         if self.kv_compress_scope not in ("auto", "page", "segment"):
             raise ValueError(f"--kv-compress-scope must be auto, page or segment, got {self.kv_compress_scope!r}")
         if not self.page_size <= self.kv_compress_segment_tokens <= 32767:

@@ -84,7 +84,7 @@ def fused_draft_attention(
 
     lid = layer.layer_id
     pool = ctx.compressed_pool
-    comp = compressed_layer(pool.layouts[lid].kind, pool.buffers[lid],
+    comp = compressed_layer(pool.layouts[lid].kind, pool.flat if md.flat else pool.buffers[lid],
                             *_rope_and_rotation(pool, lid, unwindowed or md))
     why = _fits(q, layer) or (None if comp is not None else f"{pool.compressor.name}'s layout")
     if why is not None:

@@ -57,10 +57,31 @@ class DraftMetadata:
     compressed: dict[tuple[str, int], CompressedIndex] = field(default_factory=dict)
     masks: dict[tuple[str, int], torch.Tensor | None] = field(default_factory=dict)
     windows: dict[int, DraftMetadata] = field(default_factory=dict)  # sliding window -> windowed_draft's
+    # Global budgets (DraftContext.layer_chunks): (layer_chunks, comp_ids, the compressed pool); at_layer()
+    # gives each layer's metadata, whose chunk ids are flat chunks (`flat`: read compressed_pool.flat).
+    layer_source: tuple | None = None
+    flat: bool = False
+    layers: dict[int, DraftMetadata] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tail_flat = self.tail_index.T.reshape(-1)
         self.draft_flat = None if self.draft_index is None else self.draft_index.T.reshape(-1)
+
+    def at_layer(self, layer_id: int) -> DraftMetadata:
+        """The metadata layer layer_id reads: itself, or under global budgets a copy whose chunks are the
+        layer's flat chunks (a request without them: its ids in the layer's own buffer). Cached per layer."""
+        if self.layer_source is None:
+            return self
+        if layer_id not in self.layers:
+            layer_chunks, comp_ids, pool = self.layer_source
+            dev = self.chunk_ids.device
+            seqs = [(pool.layer_chunks(layer_id, ids) if mine is None else mine[layer_id]).to(dev)
+                    for mine, ids in zip(layer_chunks, comp_ids)]
+            chunk_ids, chunk_valid, chunk_lens = _pad(seqs, dev)
+            self.layers[layer_id] = DraftMetadata(
+                self.batch_size, self.new_kv, chunk_ids, chunk_valid, self.tail_index, self.tail_valid,
+                self.draft_index, self.draft_valid, chunk_lens, self.tail_lens, self.draft_lens, flat=True)
+        return self.layers[layer_id]
 
     def compressed_index(self, layout: Layout) -> CompressedIndex:
         key = (layout.kind, layout.rows)
@@ -107,7 +128,7 @@ def windowed_draft(md: DraftMetadata, window: int | None, chunk_size: int) -> Dr
                 draft_index, draft_valid, new_draft_lens = _skip(md.draft_index, md.draft_lens, skip_d)
             md.windows[window] = DraftMetadata(md.batch_size, md.new_kv, chunk_ids, chunk_valid, tail_index,
                                                tail_valid, draft_index, draft_valid, chunk_lens, tail_lens,
-                                               new_draft_lens)
+                                               new_draft_lens, flat=md.flat)
     return md.windows[window]
 
 
@@ -150,9 +171,12 @@ def draft_metadata_for(
     draft_index = draft_valid = draft_lens = None
     if ctx.new_kv == "draft":
         draft_index, draft_valid, draft_lens = _pad([s.to(dev, torch.int64) for s in ctx.draft_slots], dev)
+    layer_source = None
+    if ctx.layer_chunks is not None:
+        layer_source = (ctx.layer_chunks, ctx.comp_ids, ctx.compressed_pool)
     return DraftMetadata(
         bs, ctx.new_kv, chunk_ids, chunk_valid, tail_index, tail_valid, draft_index, draft_valid,
-        chunk_lens, lens, draft_lens,
+        chunk_lens, lens, draft_lens, layer_source=layer_source,
     )
 
 

@@ -228,6 +228,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.save_kv(ctx.draft_pool if md.new_kv == "draft" else exact, layer, out_loc, k, v)
         if self.fused_draft is None:
             self.fused_draft = q.device.type == "cpu" and fused_draft_available()
+        md = md.at_layer(lid)  # global budgets: the layer's own chunks
         full_md, md = md, windowed_draft(md, layer.sliding_window, ctx.compressed_pool.chunk_size)
         if self.fused_draft:
             out = fused_draft_attention(q, layer, ctx, exact, md, full_md)
@@ -235,7 +236,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 return out
         layout = ctx.compressed_pool.layouts[lid]
         ci = md.compressed_index(layout)
-        bufs = ctx.compressed_pool.buffers[lid]
+        bufs = ctx.compressed_pool.flat if md.flat else ctx.compressed_pool.buffers[lid]
         if "head" in bufs and ci.valid.shape[1]:  # head-adaptive budgets: cells tagged with their KV head
             rest = [(exact.get_key_buffer(lid), exact.get_value_buffer(lid), md.tail_flat)]
             if md.draft_flat is not None:

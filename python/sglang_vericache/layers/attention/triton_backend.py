@@ -15,7 +15,8 @@ Kernel paths (metadata planned once per forward in init_forward_metadata, shared
 Explicit fallbacks to the torch path (same results, same code as the `torch` backend):
 - EXTEND (prefill, chunked prefill, prefix-cache extend);
 - any batch with staged rows (streamed verification / naive offload) and MIXED batches;
-- DRAFT_DECODE layers whose compressed layout no kernel reads (fp8);
+- DRAFT_DECODE layers whose compressed layout no kernel reads (fp8), head-tagged cells (head-adaptive and
+  global budgets) and a segment's chunks dealt to the layers (PyramidKV's per-segment budgets);
 - models the kernels cannot shape (every mode): head_dim not a power of two >= 16, or a non-float dtype.
 `path_counts` counts the layer calls per path ("decode", "verify", "draft_token_drop",
 "draft_quantized", "draft_prerope", "torch", "fixed_split"), so a test can check no silent fallback happened.
@@ -268,7 +269,8 @@ class TritonAttnBackend(TorchNativeAttnBackend):
             quant = quant.stage(lid)
         name = getattr(quant, "name", "")
         tagged = any(s.name == "head" for s in layout.tensors)  # head-adaptive cells: the torch path reads them
-        if tagged or (layout.kind != "token_drop" and name not in QUANTIZED_KINDS + PREROPE_KINDS):
+        dealt = ctx.layer_chunks is not None  # layer budgets per segment: each layer's chunks, the torch path's
+        if tagged or dealt or (layout.kind != "token_drop" and name not in QUANTIZED_KINDS + PREROPE_KINDS):
             return self._torch_draft(q, k, v, layer, fb, md, save_kv_cache)  # e.g. fp8 chunks
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         exact = fb.token_to_kv_pool
