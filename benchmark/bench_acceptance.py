@@ -71,7 +71,10 @@ def plot(rows: list[dict], ratio: float, path) -> None:
 
 def scope_label(row: dict) -> str:
     """A row's scope column: what was ranked at once, and how (rows from before a field existed: its default)."""
-    label = row.get("scope", "page") + (", adaptive" if row.get("head_budget", "uniform") == "adaptive" else "")
+    budget = row.get("head_budget", "uniform")
+    label = row.get("scope", "page") + ("" if budget == "uniform" else f", {budget}")
+    if row.get("layer_budget") == "per segment" and budget != "global":  # PyramidKV's kvpress budgets
+        label += ", layer budgets per segment"
     return label + (f", last {row['keep_recent']} kept" if row.get("keep_recent") else "")
 
 
@@ -112,6 +115,7 @@ def run_group(args, kind: str, ids: list[list[int]], lo: int, hi: int, save=None
             "prompt_kind": kind, "prompt_tokens": [len(i) for i in ids],
             "compressor": name, "ratio": ratio, "scope": m["scope"], "draft_tokens": x,
             "head_budget": m["head_budget"],
+            "layer_budget": m["layer_budget"],
             "keep_recent": m["keep_recent"],
             "rounds": m["spec_rounds"], "drafted": m["spec_drafted"], "accepted": m["spec_accepted"],
             "accept_length": (m["spec_accepted"] + m["spec_rounds"]) / max(m["spec_rounds"], 1),
@@ -149,10 +153,11 @@ def main() -> None:
     p.add_argument("--kv-compress-scopes", nargs="+", default=["auto"], choices=("auto", "page", "segment"),
                    help="--kv-compress-scope values to run each token dropper with (quantizers: once, page): "
                         "page = each page ranked alone (before issue 37), segment = whole prompts.")
-    p.add_argument("--kv-head-budget", default="auto", choices=("auto", "uniform", "adaptive"),
+    p.add_argument("--kv-head-budget", default="auto", choices=("auto", "uniform", "adaptive", "global"),
                    help="--kv-head-budget of the token droppers (segment scope): uniform (every KV head keeps the "
-                        "same count) or adaptive (AdaKV: one top-k over the layer's heads; the scope column reads "
-                        "'segment, adaptive'); default auto: the server's, each method's own (kvzip, kvzip_proxy and kvzap adaptive).")
+                        "same count), adaptive (AdaKV: one top-k over the layer's heads; the scope column reads "
+                        "'segment, adaptive') or global (one top-k over every layer's heads: 'segment, global'); "
+                        "default auto: the server's, each method's own (kvzip, kvzip_proxy and kvzap global).")
     p.add_argument("--kv-keep-recent", type=int, default=None,
                    help="--kv-keep-recent of the token droppers (default: the server's, each method's own: kvzap 128, the "
                         "others 64): a segment's last tokens "
@@ -205,7 +210,8 @@ def write_report(args, report: dict) -> None:
         same = ("num_prompts", "prompt_tokens", "max_new_tokens", "page_size", "dtype", "model_path")
         report = merge_rows(args.out, report, lambda r: (r.get("prompt_kind", "code"), len(r.get("prompt_tokens", [])),
                                                          r["compressor"], r["ratio"], r.get("scope", "page"),
-                                                         r.get("head_budget", "uniform"), r.get("keep_recent", 0),
+                                                         r.get("head_budget", "uniform"), r.get("layer_budget", "static"),
+                                                         r.get("keep_recent", 0),
                                                          r["draft_tokens"]), same)
     rows = report["rows"]
     best = max(rows, key=lambda r: r["accept_length"])

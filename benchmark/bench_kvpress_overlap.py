@@ -20,6 +20,9 @@ the top-k of KVzipPress's scores per KV head (the same rule, per-head budgets as
 what KVzipPress keeps (`layerwise=True`: its budget ranked across the heads of a layer, so a head
 keeps more or fewer than ours; overlap = |ours & kvpress| / ours); the latter also for ours with
 `--kv-head-budget adaptive` (our budget ranked across a layer's heads too; overlap over the layer's cells).
+And ours with `--kv-head-budget global` (the default: every layer's heads ranked at once) against KVzipPress's
+default (`layerwise=False`): overlap over every layer's cells, and each layer's budget against kvpress's (ours
+is rounded to whole chunks of the pool). Ours ranks the rule alone here (`--kv-keep-recent 0`), as a press does.
 
 Writes benchmark/results/kvpress_overlap.{json,md,png}.
 """
@@ -94,7 +97,7 @@ def kvzip_ours(model_path: str, ids: list[int], head_budget: str = "uniform") ->
     sched = Scheduler(ServerArgs(model_path=model_path, dtype="float32", page_size=16, kv_compressor="kvzip",
                                  kv_compression_ratio=4, speculative_algorithm="VERICACHE",
                                  vericache_schedule="lockstep", kv_compress_scope="segment",
-                                 kv_head_budget=head_budget))
+                                 kv_head_budget=head_budget, kv_keep_recent=0))  # the rule alone, as a press ranks
     tt, kept = sched.two_tier, []
     fold = tt.fold
 
@@ -103,7 +106,10 @@ def kvzip_ours(model_path: str, ids: list[int], head_budget: str = "uniform") ->
         ok = fold(req, **kw)
         if c == 0 and len(req.comp_indices):
             for layer in range(tt.pool.num_layers):
-                cells = tt.pool.read(layer, req.comp_indices).tensors  # idx [n, k_l, H] segment indices
+                if req.comp_layer_chunks is None:
+                    cells = tt.pool.read(layer, req.comp_indices).tensors  # idx [n, k_l, H] segment indices
+                else:  # global budgets: the layer's flat chunks
+                    cells = {name: buf[req.comp_layer_chunks[layer]] for name, buf in tt.pool.flat.items()}
                 idx = cells["idx"].long()
                 head = cells["head"].long() if "head" in cells else torch.arange(idx.shape[-1]).expand_as(idx)
                 mask = torch.zeros(idx.shape[-1], len(ids) // 16 * 16, dtype=torch.bool)
@@ -117,8 +123,9 @@ def kvzip_ours(model_path: str, ids: list[int], head_budget: str = "uniform") ->
     return kept
 
 
-def kvzip_theirs(model_path: str, ids: list[int]):
-    """(per layer [H_kv, ctx] KVzipPress's scores, per layer [H_kv, ctx] bool what it keeps)."""
+def kvzip_theirs(model_path: str, ids: list[int], layerwise: bool = True):
+    """(per layer [H_kv, ctx] KVzipPress's scores, per layer [H_kv, ctx] bool what it keeps); layerwise=False:
+    KVzipPress's default, one top-k over every layer."""
     from kvpress import KVzipPress
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -139,7 +146,7 @@ def kvzip_theirs(model_path: str, ids: list[int]):
     # records past_key_values=None and its replay would read no context: hand it the cache.
     from transformers import DynamicCache
 
-    with torch.no_grad(), Recording(compression_ratio=0.75, layerwise=True, n_sink=4, chunk_size=2048)(model):
+    with torch.no_grad(), Recording(compression_ratio=0.75, layerwise=layerwise, n_sink=4, chunk_size=2048)(model):
         model(torch.tensor([ids]), past_key_values=DynamicCache(config=model.config))
     keeps = []
     for scores, (_, heads, seqs) in zip(captured["scores"], captured["pruned"]):
@@ -164,8 +171,17 @@ def kvzip_row(model_path: str, ids: list[int]) -> dict:
         keep = keep[:, : mine.shape[1]]
         kept.append([float(keep[h][mine[h]].float().mean()) for h in range(len(mine))])
         across.append([float(keep[ada].float().mean())])
-    row = {"compressor": "kvzip", "press": "KVzipPress", "press_kwargs": {"chunk_size": 2048, "n_sink": 4}}
-    for key, per_layer in (("", rule), ("kept_", kept), ("adaptive_kept_", across)):
+    # global budgets (the default): ours against KVzipPress's default (layerwise=False), cells of every layer
+    glob = kvzip_ours(model_path, ids, "global")
+    _, glob_keeps = kvzip_theirs(model_path, ids, layerwise=False)
+    glob_keeps = [keep[:, : mine.shape[1]] for keep, mine in zip(glob_keeps, glob)]
+    over_global = [[float(keep[mine].float().mean()) if mine.any() else 1.0]
+                   for mine, keep in zip(glob, glob_keeps)]
+    row = {"compressor": "kvzip", "press": "KVzipPress", "press_kwargs": {"chunk_size": 2048, "n_sink": 4},
+           "global_kept_all": sum(int(k[m].sum()) for m, k in zip(glob, glob_keeps)) / sum(int(m.sum()) for m in glob),
+           "global_layer_share_ours": [int(m.sum()) / int(glob[0].numel() / 4) for m in glob],
+           "global_layer_share_kvpress": [int(k.sum()) / int(glob[0].numel() / 4) for k in glob_keeps]}
+    for key, per_layer in (("", rule), ("kept_", kept), ("adaptive_kept_", across), ("global_kept_", over_global)):
         flat = [x for layer in per_layer for x in layer]
         row |= {f"{key}mean_overlap": statistics.mean(flat), f"{key}min_overlap": min(flat),
                 f"{key}per_layer_mean": [statistics.mean(layer) for layer in per_layer],
@@ -225,6 +241,12 @@ def main() -> None:
         if "adaptive_kept_mean_overlap" in r:
             across += (f"; with --kv-head-budget adaptive {r['adaptive_kept_mean_overlap']:.1%} "
                        f"(min {r['adaptive_kept_min_overlap']:.1%}, a layer)")
+        if "global_kept_all" in r:
+            share = [abs(a - b) for a, b in zip(r["global_layer_share_ours"], r["global_layer_share_kvpress"])]
+            across += (f"; with --kv-head-budget global (the default) against KVzipPress's default (layerwise=False: "
+                       f"one top-k over every layer) {r['global_kept_all']:.1%} of every layer's cells (min "
+                       f"{r['global_kept_min_overlap']:.1%}, a layer; each layer's budget within "
+                       f"{max(share):.2f} of the mean budget of kvpress's)")
         lines.append(f"| {r['compressor']} | {r['press']} | {r['press_kwargs']} | {r['mean_overlap']:.1%} "
                      f"| {r['min_overlap']:.1%} | {across} |")
     write_results(args.out, report, "\n".join(lines))

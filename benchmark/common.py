@@ -185,8 +185,11 @@ def run_mode(model_path: str, prompts: list[list[int]], max_new_tokens: int, sam
         "scope": None if sched.two_tier is None else "segment" if sched.two_tier.segment_scope else "page",
         "keep_recent": 0 if sched.two_tier is None else sched.two_tier.keep_recent,  # a segment's last tokens kept first
         # what --kv-head-budget resolved to (auto: the method's own, TwoTierKV)
-        "head_budget": "adaptive" if sched.two_tier is not None and getattr(sched.two_tier.compressor, "head_adaptive",
-                                                                              False) else "uniform",
+        # a segment's chunks dealt to the layers by per-segment budgets (PyramidKV's, global head budgets)
+        "layer_budget": "per segment" if getattr(getattr(sched.two_tier, "compressor", None), "deals_layers", False)
+        else "static",
+        "head_budget": "uniform" if sched.two_tier is None else getattr(
+            getattr(sched.two_tier.compressor, "drop", sched.two_tier.compressor).config, "head_budget", "uniform"),
     }
     rec = getattr(sched.two_tier, "reconstruction", None)
     if rec is not None:  # kvzip: what its reconstruction passes forwarded
