@@ -88,9 +88,6 @@ class TwoTierKV:
         )
         self.compressor = get_compressor(args.kv_compressor, cfg)
         self.segment_scope = self.resolve_scope(args)
-        if self.segment_scope and "+" not in args.kv_compressor:  # layer budgets per segment (DROP+QUANT: static)
-            cfg = dataclasses.replace(cfg, segment_layers=True)
-            self.compressor = get_compressor(args.kv_compressor, cfg)
         if head_budget == "auto":  # the method's own, where it can run
             head_budget = getattr(self.compressor, "default_head_budget", "uniform")
             if head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope, head_budget):
@@ -99,8 +96,11 @@ class TwoTierKV:
             refusal = head_adaptive_refusal(self.compressor, args.kv_compressor, self.segment_scope, head_budget)
             if refusal is not None:
                 raise ValueError(f"--kv-head-budget {head_budget}: not with {args.kv_compressor} ({refusal})")
-        if head_budget != cfg.head_budget:
-            self.compressor = get_compressor(args.kv_compressor, dataclasses.replace(cfg, head_budget=head_budget))
+        # layer budgets per segment in segment scope (DROP+QUANT keeps its static layout)
+        final = dataclasses.replace(cfg, head_budget=head_budget,
+                                    segment_layers=self.segment_scope and "+" not in args.kv_compressor)
+        if final != cfg:  # the compressor the scope and budgets resolved to (built once more at most)
+            self.compressor = get_compressor(args.kv_compressor, final)
         n_layers = mc.num_hidden_layers
         device_bytes, flag = None, "--device-kv-budget"
         if args.device_kv_budget is not None:
@@ -280,10 +280,11 @@ class TwoTierKV:
             chunks = compress_segment(self.compressor, self.kv_pool, self.pool, row[s * ps : e * ps], seg_ids,
                                       torch.arange(s * ps, e * ps, dtype=torch.int64), queries, q_positions)
             # Dealt to the layers (per-segment layer budgets): kept per layer from the first segment whose
-            # dealing is not each layer's own ids (until then, and without it, chunk id c of layer l is c).
-            own = None if chunks is None else [self.pool.layer_chunks(layer, seg_ids) for layer in range(len(chunks))]
+            # dealing is not each layer's own ids (until then, and without it, chunk id c of layer l is c). The
+            # flat chunks are handed out in (layer, id) order, so a dealing is each layer's own iff every layer
+            # got len(seg_ids) of them.
             if chunks is not None and (req.comp_layer_chunks is not None
-                                       or not all(torch.equal(a, b) for a, b in zip(chunks, own))):
+                                       or any(len(mine) != len(seg_ids) for mine in chunks)):
                 if req.comp_layer_chunks is None:  # the chunks before: their own
                     done = torch.cat([req.comp_indices, ids[: s - c]])
                     req.comp_layer_chunks = [self.pool.layer_chunks(layer, done) for layer in range(len(chunks))]
